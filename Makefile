@@ -1,0 +1,36 @@
+# Every target installs into .venv first if needed; a fresh machine needs only python3.11 and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORKDIR ?= runs/digits_cnn
+CONFIG ?= configs/digits_cnn.py
+
+.PHONY: install train eval test test-slow lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m replicator train --config $(CONFIG) --workdir $(WORKDIR)
+
+eval: $(STAMP)
+	$(BIN)/python -m replicator eval --config $(CONFIG) --workdir $(WORKDIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check replicator experiments configs tests benchmarks
+	$(BIN)/ruff format --check replicator experiments configs tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

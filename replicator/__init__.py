@@ -1,0 +1,16 @@
+"""replicator: TF-Replicator's programming model on modern JAX.
+
+Write a step function as if for one device; `Replicator.run` (per replica, on
+`jax.shard_map`) or `Replicator.compile` (global view, `jax.jit` over a mesh)
+runs it on every device.
+"""
+
+from replicator.context import ReplicaContext as ReplicaContext
+from replicator.context import get_replica_context as get_replica_context
+from replicator.losses import compute_average_loss as compute_average_loss
+from replicator.losses import scale_regularization_loss as scale_regularization_loss
+from replicator.precision import Policy as Policy
+from replicator.replicator import ReduceOp as ReduceOp
+from replicator.replicator import Replicator as Replicator
+
+__version__ = "0.1.0"

@@ -1,0 +1,105 @@
+"""Device discovery and mesh building.
+
+Every Replicator owns one `jax.sharding.Mesh` with the named axes
+``("data", "fsdp", "tensor")``, always all three, so that shardings are written
+the same way whatever the parallelism: an axis that is not used has size 1.
+The data-parallel replicas span ``data`` x ``fsdp``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# The axes a batch is split over; their product is the number of replicas.
+DATA_AXES = ("data", "fsdp")
+
+
+def resolve_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """Returns the size of every mesh axis, with the one ``-1`` filled in.
+
+    Args:
+      axes: axis name -> size, for names in ``MESH_AXES``; missing axes get size 1
+        and at most one axis may be ``-1`` ("all the devices left"). ``None`` means
+        ``{"data": -1}``: pure data parallelism.
+      num_devices: how many devices the mesh must cover.
+
+    Returns:
+      A dict with a size for each name in ``MESH_AXES``, in that order.
+
+    >>> resolve_axis_sizes({"data": -1, "tensor": 2}, 8)
+    {'data': 4, 'fsdp': 1, 'tensor': 2}
+    """
+    axes = dict({"data": -1} if axes is None else axes)
+    unknown = sorted(set(axes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
+    for name, size in axes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"Mesh axis {name!r} has size {size!r}; use a positive int or -1.")
+    free = [name for name, size in axes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"Only one mesh axis may be -1, got {free} in {axes}.")
+    fixed = math.prod(size for size in axes.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"Mesh {axes}: the fixed axes multiply to {fixed}, which does not divide "
+                f"the {num_devices} devices, so {free[0]!r} cannot be filled. Choose sizes "
+                f"whose product divides {num_devices}."
+            )
+        axes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"Mesh {axes} has {fixed} devices but {num_devices} are available; make the "
+            f"sizes multiply to {num_devices}, or set one axis to -1."
+        )
+    return {name: axes.get(name, 1) for name in MESH_AXES}
+
+
+def build_mesh(
+    devices: Sequence[jax.Device] | None = None,
+    axes: Mapping[str, int] | None = None,
+) -> Mesh:
+    """Builds the ``("data", "fsdp", "tensor")`` mesh over ``devices``.
+
+    Args:
+      devices: the devices to use; ``None`` means every device of every process.
+      axes: axis sizes as in `resolve_axis_sizes`.
+
+    Returns:
+      A mesh whose axes are `Auto` (the compiler propagates shardings), laid out
+      for the hardware's topology when it spans all devices.
+    """
+    if devices is not None:
+        devices = list(devices)
+        if not devices:
+            raise ValueError(
+                "devices=[] is empty; pass at least one device, or devices=None for all "
+                f"{jax.device_count()} devices."
+            )
+    all_devices = devices is None or len(devices) == jax.device_count()
+    devices = jax.devices() if devices is None else devices
+    sizes = resolve_axis_sizes(axes, len(devices))
+    shape = tuple(sizes.values())
+    if all_devices:
+        # Topology-aware order on TPU/GPU (rings along the fastest axes).
+        device_array = _create_device_mesh(shape, devices)
+    else:
+        device_array = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _create_device_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:
+    from jax.experimental import mesh_utils
+
+    try:
+        return mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        # Topologies mesh_utils does not know (e.g. fake CPU devices split oddly).
+        return np.asarray(devices, dtype=object).reshape(shape)

@@ -1,0 +1,25 @@
+"""Every test sees 8 fake CPU devices, set before JAX initialises."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    del config
+    if jax.device_count() != 8:
+        raise RuntimeError(
+            f"tests need 8 fake CPU devices, JAX has {jax.device_count()}; was jax "
+            "initialised before tests/conftest.py ran?"
+        )
+
+
+@pytest.fixture(scope="session")
+def devices():
+    return jax.devices()

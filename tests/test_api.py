@@ -1,0 +1,38 @@
+"""The public API is curated: this test pins it."""
+
+import doctest
+import importlib
+
+import pytest
+
+import replicator as rp
+
+PUBLIC = [
+    "Policy",
+    "ReduceOp",
+    "ReplicaContext",
+    "Replicator",
+    "compute_average_loss",
+    "get_replica_context",
+    "scale_regularization_loss",
+]
+
+
+def test_public_names_are_pinned():
+    names = sorted(n for n in dir(rp) if not n.startswith("_"))
+    modules = sorted(n for n in names if type(getattr(rp, n)).__name__ == "module")
+    assert sorted(set(names) - set(modules)) == PUBLIC
+
+
+def test_replicator_methods_of_the_contract():
+    for name in ["mesh", "num_replicas", "context", "shard_batch", "distribute", "replicate",
+                 "run", "reduce", "wrap_optimizer", "compile"]:
+        assert hasattr(rp.Replicator(), name), name
+
+
+@pytest.mark.parametrize(
+    "module", ["replicator.losses", "replicator.mesh", "replicator.precision"]
+)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": rp.losses.jnp})
+    assert result.failed == 0
