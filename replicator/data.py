@@ -40,7 +40,8 @@ def load_data_source(
     like ``digits`` in ``experiments.datasets``) are built under ``data_dir``
     on first use. Download-based builders (``mnist``, ``cifar10``, ...) must
     already be prepared there in array_record format; this function never
-    downloads, so it cannot hang on a machine without network.
+    downloads, so it cannot hang on a machine without network. Under
+    ``tfds.testing.mock_data`` any registered dataset reads as fake examples.
 
     Args:
         name: tfds name, optionally with config and version (``"mnist:3.*.*"``).
@@ -57,27 +58,30 @@ def load_data_source(
         ``source[i]``, ready for ``make_train_iterator``/``make_eval_iterator``.
 
     Raises:
-        DatasetNotPreparedError: the dataset is missing or not in array_record
-            format; the message gives the command that prepares it.
-        ValueError: unknown dataset name or split.
+        DatasetNotPreparedError: the dataset's files are missing; the message
+            says where it looked and gives the command that prepares them.
+        ValueError: unknown dataset or split, or files stored in a format
+            without random access (TFRecord).
 
-    >>> source = load_data_source("digits", "test", data_dir=getfixture("digits_data_dir"))
-    >>> len(source), source[0]["image"].shape
-    (360, (8, 8, 1))
+    >>> import experiments.datasets  # Registers "digits" with tfds.
+    >>> source = load_data_source("digits", "test", data_dir=data_dir)
+    >>> len(source), source[0]["image"].shape, int(source[0]["label"]) in range(10)
+    (360, (8, 8, 1), True)
     """
     builder = _get_builder(name, data_dir)
-    if not builder.is_prepared():
-        if not (prepare and getattr(builder, "BUILDS_OFFLINE", False)):
-            raise DatasetNotPreparedError(_not_prepared_message(name, builder, prepare))
+    if prepare and getattr(builder, "BUILDS_OFFLINE", False) and not builder.is_prepared():
         builder = _prepare_offline(name, data_dir)
+    # Reading first and explaining failures after lets tfds.testing.mock_data,
+    # which fakes as_data_source but not is_prepared, stand in for real files.
     try:
         return builder.as_data_source(split=split)
-    except NotImplementedError as e:  # Prepared, but as TFRecord (sequential access only).
-        raise DatasetNotPreparedError(_not_prepared_message(name, builder, prepare)) from e
-    except ValueError as e:
+    except (KeyError, ValueError, NotImplementedError) as e:
+        if not builder.is_prepared():
+            raise DatasetNotPreparedError(_not_prepared_message(name, builder, prepare)) from e
         raise ValueError(
-            f"Cannot read split {split!r} of dataset {name!r}, whose splits are "
-            f"{sorted(builder.info.splits)}: {e}"
+            f"Cannot read split {split!r} of dataset {name!r} at {builder.data_dir}, which "
+            f"has splits {sorted(builder.info.splits)} stored as "
+            f"{builder.info.file_format.value}: {e}"
         ) from e
 
 
@@ -111,18 +115,14 @@ def _prepare_offline(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
 
 def _not_prepared_message(name: str, builder: tfds.core.DatasetBuilder, prepare: bool) -> str:
     where = f"Dataset {name!r} is not prepared in {_FILE_FORMAT} format at {builder.data_dir}."
-    if getattr(builder, "BUILDS_OFFLINE", False):
-        how = "It needs no download: call load_data_source(..., prepare=True) or run"
-    else:
-        how = (
-            "Its builder downloads the data, which this function never does. On a "
-            "machine with network (and TensorFlow, which tfds uses to encode images), "
-            f"run the command below, then copy {builder.data_dir_root}/{builder.name} here:"
-        )
-    command = (
-        f"tfds build {name} --data_dir={builder.data_dir_root} --file_format={_FILE_FORMAT}"
+    if getattr(builder, "BUILDS_OFFLINE", False) and not prepare:
+        return f"{where} It needs no download: call load_data_source(..., prepare=True)."
+    return (
+        f"{where}\nIts builder downloads the data, which replicator never does. On a "
+        "machine with network and TensorFlow (tfds encodes images with it), run\n"
+        f"  tfds build {name} --data_dir=DIR --file_format={_FILE_FORMAT}\n"
+        f"then copy DIR/{builder.name} to {builder.data_dir_root}/{builder.name} here."
     )
-    return f"{where}\n{how}\n  {command}"
 
 
 def local_batch_size(global_batch_size: int, process_count: int) -> int:
@@ -185,6 +185,9 @@ def make_train_iterator(
         process_index: this process, ``jax.process_index()`` in a real run.
         process_count: all processes, ``jax.process_count()`` in a real run.
         worker_count: grain worker processes for preprocessing; 0 runs it here.
+            Each worker batches its own share of the records, so the batch
+            sequence depends on it, and a saved state restores only with the
+            same count. Workers read absl flags: parse them first (absl.app.run).
 
     Returns:
         An iterator of dicts of arrays with leading dimension
@@ -208,7 +211,10 @@ def make_train_iterator(
     loader = grain.DataLoader(
         data_source=source,
         sampler=sampler,
-        operations=[_Preprocess(preprocess), grain.transforms.Batch(batch_size, drop_remainder=True)],
+        operations=[
+            _Preprocess(preprocess),
+            grain.transforms.Batch(batch_size, drop_remainder=True),
+        ],
         worker_count=worker_count,
         shard_options=shard,
     )
@@ -241,8 +247,8 @@ def num_eval_batches(num_examples: int, *, global_batch_size: int, process_count
         Batches per process: enough for the largest shard, ``ceil(num_examples /
         process_count)`` examples.
 
-    >>> num_eval_batches(360, global_batch_size=64, process_count=3)
-    6
+    >>> num_eval_batches(360, global_batch_size=48, process_count=3)  # 120 each, 16 a batch.
+    8
     """
     batch_size = local_batch_size(global_batch_size, process_count)
     largest_shard = -(-num_examples // process_count)

@@ -144,9 +144,12 @@ class Replicator:
           prefetch: how many global batches to keep ready.
 
         Returns:
-          An iterator of global batches.
+          An iterator of global batches. If ``batches`` has ``get_state()`` (grain
+          iterators do), so does the result: the source's state right after the
+          last batch *returned*, not the ones prefetched, so that a checkpoint
+          resumes with exactly the next batch.
         """
-        return _Prefetcher(map(self.shard_batch, batches), prefetch)
+        return _Prefetcher(iter(batches), self.shard_batch, prefetch)
 
     def replicate(self, tree: PyTree) -> PyTree:
         """Places a pytree mirrored on every device of the mesh.
@@ -270,8 +273,10 @@ class Replicator:
             if np.ndim(x) < 1 or np.shape(x)[0] != self.num_replicas:
                 raise ValueError(
                     f"reduce expects per-replica values stacked on a leading axis of size "
-                    f"{self.num_replicas}, got shape {np.shape(x)}; values that are already "
-                    "the same on every replica (mirrored) need no reduction."
+                    f"{self.num_replicas}, got shape {np.shape(x)}. `run` returns a value "
+                    "mirrored (unstacked) when it is the same on every replica, e.g. a "
+                    "constant such as len(batch); derive per-replica counts from the batch "
+                    "(jnp.sum(mask)) or reduce inside the step."
                 )
             total = jnp.sum(x, axis=0)
             return total if op is ReduceOp.SUM else total / self.num_replicas
@@ -401,20 +406,24 @@ class _StepsInFlight:
 
 
 class _Prefetcher:
-    """Runs an iterator in a background thread, ``size`` items ahead."""
+    """Runs ``transform`` over an iterator in a background thread, ``size`` items ahead."""
 
     _DONE = object()
 
-    def __init__(self, source: Iterator, size: int):
+    def __init__(self, source: Iterator, transform: Callable, size: int):
+        self._source = source
+        self._state = source.get_state() if hasattr(source, "get_state") else None
         self._queue: queue.Queue = queue.Queue(maxsize=max(size, 1))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(source,), daemon=True)
+        self._thread = threading.Thread(target=self._fill, args=(transform,), daemon=True)
         self._thread.start()
 
-    def _fill(self, source: Iterator) -> None:
+    def _fill(self, transform: Callable) -> None:
+        stateful = self._state is not None
         try:
-            for item in source:
-                if not self._put(item):
+            for item in self._source:
+                state = self._source.get_state() if stateful else None
+                if not self._put((transform(item), state)):
                     return
             self._put(self._DONE)
         except BaseException as e:  # handed to the consumer, which re-raises it
@@ -439,7 +448,14 @@ class _Prefetcher:
             raise StopIteration
         if isinstance(item, _Failure):
             raise item.error
+        item, self._state = item
         return item
+
+    def get_state(self):
+        """The source's state after the last returned item."""
+        if self._state is None:
+            raise TypeError(f"{type(self._source).__name__} has no get_state().")
+        return self._state
 
     def close(self) -> None:
         self._stop.set()

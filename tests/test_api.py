@@ -25,14 +25,22 @@ def test_public_names_are_pinned():
 
 
 def test_replicator_methods_of_the_contract():
-    for name in ["mesh", "num_replicas", "context", "shard_batch", "distribute", "replicate",
-                 "run", "reduce", "wrap_optimizer", "compile"]:
+    for name in [
+        "mesh",
+        "num_replicas",
+        "context",
+        "shard_batch",
+        "distribute",
+        "replicate",
+        "run",
+        "reduce",
+        "wrap_optimizer",
+        "compile",
+    ]:
         assert hasattr(rp.Replicator(), name), name
 
 
-@pytest.mark.parametrize(
-    "module", ["replicator.losses", "replicator.mesh", "replicator.precision"]
-)
+@pytest.mark.parametrize("module", ["replicator.losses", "replicator.mesh", "replicator.precision"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": rp.losses.jnp})
     assert result.failed == 0

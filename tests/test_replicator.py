@@ -102,8 +102,9 @@ def test_run_equals_one_device(opt, mesh):
     assert params["w1"].shape == (5, 16)  # mirrored outputs keep their own shape
     assert params["w1"].sharding.is_fully_replicated
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 params, expected)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, expected
+    )
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
@@ -122,8 +123,9 @@ def test_compile_equals_one_device_with_the_same_step(opt):
         assert loss.shape == ()
         losses.append(float(loss))
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 state[0], expected)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state[0], expected
+    )
     assert step.jitted._cache_size() == 1
 
 
@@ -142,8 +144,9 @@ def test_an_extra_psum_would_be_caught():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    state = repl.run(wrong_step, repl.replicate((params, tx.init(params))),
-                     repl.shard_batch(batches[0]))
+    state = repl.run(
+        wrong_step, repl.replicate((params, tx.init(params))), repl.shard_batch(batches[0])
+    )
     assert not np.allclose(state[0]["w1"], expected["w1"], rtol=1e-3)
 
 
@@ -167,11 +170,18 @@ def test_outputs_mirrored_or_stacked():
     repl = rp.Replicator()
 
     def step(params, batch):
-        return {"params": params * 2, "per_replica": batch.sum(), "rows": batch,
-                "mean": repl.reduce(rp.ReduceOp.MEAN, batch.sum())}
+        return {
+            "params": params * 2,
+            "per_replica": batch.sum(),
+            "rows": batch,
+            "mean": repl.reduce(rp.ReduceOp.MEAN, batch.sum()),
+        }
 
-    out = repl.run(step, repl.replicate(jnp.ones(3)),
-                   repl.shard_batch(np.arange(16.0, dtype=np.float32).reshape(16, 1)))
+    out = repl.run(
+        step,
+        repl.replicate(jnp.ones(3)),
+        repl.shard_batch(np.arange(16.0, dtype=np.float32).reshape(16, 1)),
+    )
     assert out["params"].shape == (3,)
     np.testing.assert_allclose(out["per_replica"], np.arange(16.0).reshape(8, 2).sum(1))
     assert out["rows"].shape == (8, 2, 1)

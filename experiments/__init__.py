@@ -1,0 +1,1 @@
+"""Experiments: models and tasks that run on replicator, one package each."""

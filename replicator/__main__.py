@@ -1,0 +1,3 @@
+from replicator.cli import run
+
+run()

@@ -1,0 +1,144 @@
+"""Run instruments: metric records (JSONL + TensorBoard), progress, weighted sums.
+
+Metrics are reduced as weighted sums: every step or eval batch contributes sums
+(loss x examples, correct predictions, examples), and a mean is taken only once,
+at the end, over the total weight. That keeps padded and uneven batches exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def summarize_sums(sums: Mapping[str, Any]) -> dict[str, float]:
+    """Turns summed ``loss``, ``correct`` and ``count`` into means.
+
+    Args:
+      sums: host or device scalars; ``loss`` and ``correct`` are sums over the
+        ``count`` real examples.
+
+    Returns:
+      ``{"loss", "accuracy", "num_examples"}``.
+
+    >>> summarize_sums({"loss": 3.0, "correct": 2.0, "count": 4.0})
+    {'loss': 0.75, 'accuracy': 0.5, 'num_examples': 4}
+    """
+    count = float(sums["count"])
+    mean = lambda key: float(sums[key]) / count if count else math.nan
+    return {"loss": mean("loss"), "accuracy": mean("correct"), "num_examples": int(round(count))}
+
+
+class MetricWriter:
+    """Appends metric records to ``WORKDIR/metrics.jsonl`` and TensorBoard events.
+
+    Only process 0 writes; on other processes every call is a no-op.
+
+    Args:
+      workdir: the run's directory.
+      enabled: whether to write (default: on process 0 only).
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool | None = None):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self._jsonl = self._tensorboard = None
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(workdir, exist_ok=True)
+            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+            self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, Any], *, split: str | None = None) -> None:
+        """Writes one record: ``{"step": step, "split": split, **metrics}``."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), **({"split": split} if split else {})}
+        record.update({k: _to_python(v) for k, v in metrics.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, int | float):
+                self._tensorboard.add_scalar(f"{split or 'train'}/{key}", value, int(step))
+        self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tensorboard.close()
+
+
+def _to_python(value: Any) -> Any:
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        value = np.asarray(value).item()
+    return value
+
+
+class ProgressBar:
+    """A progress bar with step, loss, examples/s and ETA.
+
+    Quiet when stdout is not a terminal or when ``enabled`` is False; then
+    `update` does nothing and the caller's log lines tell the story.
+    """
+
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool | None = None):
+        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self._progress = None
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+            )
+            self._task = self._progress.add_task("train", total=total, completed=initial, info="")
+            self._progress.start()
+
+    def update(self, step: int, **fields: float) -> None:
+        if self._progress is not None:
+            info = "  ".join(f"{k} {_format(v)}" for k, v in fields.items())
+            self._progress.update(self._task, completed=step, **({"info": info} if fields else {}))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _format(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}"
+
+
+class Stopwatch:
+    """Accumulates wall time per phase (compile, compute, input, eval, checkpoint)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def time(self, phase: str) -> _Phase:
+        return _Phase(self, phase)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+class _Phase:
+    def __init__(self, watch: Stopwatch, phase: str):
+        self._watch, self._phase = watch, phase
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        totals = self._watch.totals
+        totals[self._phase] = totals.get(self._phase, 0.0) + time.perf_counter() - self._t0

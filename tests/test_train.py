@@ -1,0 +1,159 @@
+"""The training driver and the command line, end to end on the offline digits."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from replicator import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(mode="smoke", **overrides):
+    spec = importlib.util.spec_from_file_location("digits_cnn", f"{ROOT}/configs/digits_cnn.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(mode)
+    config.update(overrides)
+    return config
+
+
+def read_records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, digits_data_dir):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = load_config(
+        data_dir=digits_data_dir,
+        num_train_steps=6,
+        eval_every_steps=3,
+        checkpoint_every_steps=3,
+        log_every_steps=3,
+    )
+    result = train.train_and_evaluate(config, workdir, quiet=True)
+    return config, workdir, result
+
+
+def test_train_writes_metrics_events_and_checkpoints(trained):
+    _, workdir, result = trained
+    records = read_records(workdir)
+    train_records = [r for r in records if "split" not in r]
+    assert [r["step"] for r in train_records] == [3, 6]
+    for r in train_records:
+        assert np.isfinite(r["loss"]) and r["examples_per_sec"] > 0
+    evals = [r for r in records if r.get("split") == "test"]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(r["num_examples"] == 360 for r in evals)
+    assert evals[-1]["accuracy"] == result["accuracy"]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-2:] == ["3", "6"]
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(workdir, "tensorboard")))
+
+
+@pytest.mark.parametrize("num_devices", [1, 3, 8])
+def test_eval_restores_onto_any_device_count(trained, num_devices):
+    config, workdir, result = trained
+    got = train.evaluate(config, workdir, devices=jax.devices()[:num_devices])
+    assert got["step"] == 6 and got["num_examples"] == 360
+    assert got["accuracy"] == pytest.approx(result["accuracy"], abs=1e-9)
+    assert got["loss"] == pytest.approx(result["loss"], rel=1e-5)
+
+
+def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
+    results = {}
+    for path in ("run", "compile"):
+        config = load_config(data_dir=digits_data_dir, step_path=path)
+        results[path] = train.train_and_evaluate(config, str(tmp_path / path), quiet=True)
+    assert results["run"]["loss"] == pytest.approx(results["compile"]["loss"], rel=1e-4)
+    assert results["run"]["accuracy"] == pytest.approx(results["compile"]["accuracy"], abs=0.01)
+
+
+def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+        train.evaluate(load_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"learning_rat": 0.1}, "unknown key 'learning_rat' \\(did you mean 'learning_rate'"),
+        ({"batch_size": "64"}, "'batch_size'='64' has type str"),
+        ({"batch_size": 60}, "batch_size=60 does not split evenly over 8 replicas"),
+        ({"step_path": "pmap"}, "'step_path'='pmap' is not one of"),
+        ({"mesh": {"data": 3}}, "3 devices but 8"),
+        ({"model": {"num_clases": 10}}, "config.model does not fit"),
+    ],
+)
+def test_bad_config_fails_before_the_workdir_is_touched(
+    tmp_path, digits_data_dir, overrides, match
+):
+    # As a config file would write it (ConfigDict's own type checks apply only to overrides).
+    config = ml_collections.ConfigDict(
+        {**load_config(data_dir=digits_data_dir).to_dict(), **overrides}
+    )
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match=match):
+        train.train_and_evaluate(config, str(workdir), quiet=True)
+    assert not workdir.exists()
+
+
+def test_missing_key_is_named(digits_data_dir):
+    config = load_config(data_dir=digits_data_dir)
+    del config["seed"]
+    with pytest.raises(ValueError, match="missing required key 'seed'"):
+        train.setup(config)
+
+
+def run_cli(*args, devices=2):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run(
+        [sys.executable, "-m", "replicator", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_train_then_eval(tmp_path, digits_data_dir):
+    workdir = str(tmp_path / "run")
+    common = [
+        "--config",
+        "configs/digits_cnn.py:smoke",
+        "--workdir",
+        workdir,
+        f"--config.data_dir={digits_data_dir}",
+    ]
+    done = run_cli("train", *common, "--config.batch_size=32", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Final test accuracy after 4 steps" in done.stdout
+    assert json.loads(open(f"{workdir}/config.json").read())["batch_size"] == 32
+
+    done = run_cli("eval", *common, devices=3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["step"] == 4 and result["num_examples"] == 360
+
+
+def test_cli_rejects_unknown_override(tmp_path):
+    done = run_cli(
+        "train",
+        "--config",
+        "configs/digits_cnn.py:smoke",
+        "--workdir",
+        str(tmp_path / "run"),
+        "--config.learning_rat=0.1",
+    )
+    assert done.returncode != 0
+    assert "learning_rat" in done.stderr
+    assert not (tmp_path / "run").exists()
