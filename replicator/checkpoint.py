@@ -1,38 +1,61 @@
-"""Checkpoints on Orbax: the train state, the data iterator's position and the config.
+"""Checkpoints on Orbax: save asynchronously, resume exactly, restore onto any devices.
 
 Layout of ``WORKDIR/checkpoints/<step>/`` (plain Orbax, readable without
-replicator):
+replicator; see docs/checkpoints.md):
 
-* ``state/``  the `TrainState` pytree (``step``, ``params``, ``opt_state``,
-  ``rng``) written by Orbax's PyTreeCheckpointHandler;
-* ``data/``   JSON: the input iterator's state, to continue with the next batch;
-* ``config/`` JSON: the resolved experiment config.
+* ``state/``   the `TrainState` pytree (``step``, ``params``, ``opt_state``,
+  ``rng``), written by Orbax's PyTreeCheckpointHandler;
+* ``data/``    JSON: the input iterator's position, to continue with the next batch;
+* ``config/``  JSON: the resolved experiment config;
+* ``metrics/`` JSON: the eval metrics of that step, when there are any (Orbax's
+  own item, read by the best-N retention).
 
-Restores always go through an abstract target carrying the *current* mesh's
-shardings, never the saved ones, so a checkpoint written on 8 devices restores
-on 1 or 3.
+Orbax writes each step into a temporary directory and renames it when complete,
+so a checkpoint torn by a crash is never listed. Restores always go through an
+abstract target carrying the *current* mesh's shardings, never the saved ones,
+so a checkpoint written on 8 devices restores on 1 or 3.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
 
 PyTree = Any
+log = logging.getLogger("replicator")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's parameters do not fit the model being restored."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A finalized checkpoint cannot be read (files truncated or missing)."""
 
 
 class Checkpoints:
-    """Saves and restores a run's checkpoints through one Orbax `CheckpointManager`.
+    """A run's checkpoints, through one Orbax `CheckpointManager`.
 
     Args:
       directory: where the step directories live (``WORKDIR/checkpoints``).
       max_to_keep: how many of the latest checkpoints to keep.
-      async_save: write in a background thread; the next save (or `close`)
-        waits for the previous one and raises its error if it failed.
-      read_only: open for restoring only (e.g. for ``eval``).
+      keep_best: additionally keep this many checkpoints with the best
+        ``best_metric`` (from the metrics passed to `save`, or written later by a
+        sidecar evaluator with `write_metrics`); 0 disables it.
+      best_metric: the metric that ranks checkpoints, e.g. ``"accuracy"``.
+      best_mode: ``"max"`` or ``"min"``.
+      async_save: write in a background thread. A failed background save is
+        raised by the next `save` or `check_for_errors` call, never lost.
+      read_only: open for restoring only (``eval``).
     """
 
     def __init__(
@@ -40,18 +63,39 @@ class Checkpoints:
         directory: str,
         *,
         max_to_keep: int = 3,
+        keep_best: int = 0,
+        best_metric: str = "accuracy",
+        best_mode: str = "max",
         async_save: bool = True,
         read_only: bool = False,
     ):
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}.")
         self.directory = os.path.abspath(directory)
+        policies = [checkpoint_managers.LatestN(n=max_to_keep)]
+        if keep_best:
+            policies.append(
+                checkpoint_managers.BestN(
+                    get_metric_fn=lambda metrics: metrics[best_metric],
+                    reverse=best_mode == "min",
+                    n=keep_best,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "config")
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -59,22 +103,45 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Every finalized checkpoint's step, oldest first."""
+        return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: PyTree, *, data_state: dict, config_json: str) -> None:
-        """Starts saving ``state`` at ``step`` (asynchronously unless disabled)."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state),
-                data=ocp.args.JsonSave(data_state),
-                config=ocp.args.JsonSave({"json": config_json}),
-            ),
-            force=True,
-        )
+    def reload(self) -> None:
+        """Re-reads the directory (new checkpoints, metrics written by a sidecar)."""
+        self._manager.reload()
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        data_state: dict,
+        config_json: str,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        """Starts saving ``state`` at ``step``; raises if an earlier async save failed."""
+        # Orbax would wait for the previous save anyway; finishing it first lets
+        # reload() see its metrics along with any a sidecar evaluator added since.
+        self._manager.wait_until_finished()
+        self._manager.check_for_errors()
+        self._manager.reload()
+        items = {
+            "state": ocp.args.PyTreeSave(state),
+            "data": ocp.args.JsonSave(data_state),
+            "config": ocp.args.JsonSave(json.loads(config_json)),
+        }
+        if metrics:
+            # Written as Orbax's own "metrics" item, which its best-N policy reads
+            # (Orbax itself writes it only when the legacy best_fn option is set).
+            items["metrics"] = ocp.args.JsonSave(metrics)
+        self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+
+    def check_for_errors(self) -> None:
+        """Raises the error of a failed background save, if any."""
+        self._manager.check_for_errors()
 
     def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict]:
-        """Restores the train state onto ``abstract_state``'s shardings and the data state.
+        """Restores the train state onto ``abstract_state``'s shardings, and the data state.
 
         Args:
           step: which checkpoint.
@@ -83,44 +150,144 @@ class Checkpoints:
 
         Returns:
           ``(state, data_state)``.
+
+        Raises:
+          CheckpointMismatchError: the saved state has other parameters or shapes.
+          CorruptCheckpointError: the checkpoint's files cannot be read.
         """
-        restored = self._manager.restore(
+        self._check_structure(step, abstract_state)
+        restored = self._read(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    abstract_state, restore_args=_restore_args(abstract_state)
-                ),
-                data=ocp.args.JsonRestore(),
+            state=ocp.args.PyTreeRestore(
+                abstract_state, restore_args=_restore_args(abstract_state)
             ),
+            data=ocp.args.JsonRestore(),
         )
         return restored["state"], restored["data"]
 
     def restore_params(self, step: int, abstract_params: PyTree) -> PyTree:
         """Restores only ``state.params``; the optimizer state is never read."""
-        restored = self._manager.restore(
+        target = {"params": abstract_params}
+        self._check_structure(step, target, partial=True)
+        restored = self._read(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    {"params": abstract_params},
-                    restore_args=_restore_args({"params": abstract_params}),
-                    partial_restore=True,
-                )
+            state=ocp.args.PyTreeRestore(
+                target, restore_args=_restore_args(target), partial_restore=True
             ),
         )
         return restored["state"]["params"]
 
-    def saved_config(self, step: int) -> str:
-        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
-            "config"
-        ]["json"]
+    def restore_latest_good(
+        self, restore_fn, *, strict: bool = False
+    ) -> tuple[int, Any] | tuple[None, None]:
+        """Calls ``restore_fn(step)`` on the newest checkpoint that can be read.
+
+        A checkpoint whose files are truncated or missing is reported with its step
+        and the error (which names the file), and the previous one is tried.
+
+        Args:
+          restore_fn: e.g. ``lambda step: checkpoints.restore(step, target)``.
+          strict: fail on the first unreadable checkpoint instead of falling back.
+
+        Returns:
+          ``(step, restore_fn(step))``, or ``(None, None)`` if there is no checkpoint.
+        """
+        for step in reversed(self.all_steps()):
+            try:
+                return step, restore_fn(step)
+            except CorruptCheckpointError as e:
+                if strict:
+                    raise
+                log.warning("%s; falling back to the previous checkpoint.", e)
+        return None, None
+
+    def saved_config(self, step: int) -> dict:
+        """The config saved with ``step``."""
+        return self._read(step, config=ocp.args.JsonRestore())["config"]
+
+    def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Attaches eval metrics to an existing checkpoint (a sidecar evaluator's results).
+
+        The training process's best-N retention reads them at its next save.
+        """
+        path = os.path.join(self.directory, str(step), "metrics")
+        os.makedirs(path, exist_ok=True)
+        tmp = os.path.join(path, ".metrics.tmp")
+        with open(tmp, "w") as f:
+            json.dump(metrics, f)
+        os.replace(tmp, os.path.join(path, "metrics"))
 
     def wait(self) -> None:
-        """Blocks until an in-progress save is finalized."""
+        """Blocks until an in-progress save is finalized; raises its error if it failed."""
         self._manager.wait_until_finished()
+        self._manager.check_for_errors()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+    def _read(self, step: int, **items) -> Any:
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except (CheckpointMismatchError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint at step {step} in {self.directory} is unreadable: "
+                f"{type(e).__name__}: {_first_line(e)}"
+            ) from e
+
+    def _check_structure(self, step: int, target: PyTree, *, partial: bool = False) -> None:
+        try:
+            saved = self._manager.item_metadata(step)["state"]
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"Checkpoint at step {step} in {self.directory} has unreadable metadata: "
+                f"{type(e).__name__}: {_first_line(e)}"
+            ) from e
+        if saved is None:
+            raise CorruptCheckpointError(
+                f"Checkpoint at step {step} in {self.directory} has no state/ item."
+            )
+        problems = _mismatches(_shapes(saved), _shapes(target), partial=partial)
+        if problems:
+            shown = "\n  ".join(problems[:10])
+            more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise CheckpointMismatchError(
+                f"Checkpoint at step {step} in {self.directory} does not fit this model "
+                f"(saved vs expected):\n  {shown}{more}"
+            )
+
+
+def _shapes(tree: PyTree) -> dict[str, tuple]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): _stored_shape(x) for p, x in flat}
+
+
+def _stored_shape(x: Any) -> tuple:
+    # Typed PRNG keys are stored as their key data (e.g. shape () -> (2,)).
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, x).shape)
+    return tuple(x.shape)
+
+
+def _mismatches(saved: dict[str, tuple], expected: dict[str, tuple], *, partial: bool) -> list[str]:
+    problems = []
+    for path, shape in expected.items():
+        if path not in saved:
+            problems.append(f"{path}: missing from the checkpoint, expected shape {shape}")
+        elif saved[path] != shape:
+            problems.append(f"{path}: saved shape {saved[path]}, expected {shape}")
+    if not partial:
+        for path in saved.keys() - expected.keys():
+            problems.append(f"{path}: in the checkpoint (shape {saved[path]}) but not in the model")
+    return sorted(problems)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else repr(error)
 
 
 def _restore_args(abstract: PyTree) -> PyTree:
@@ -130,3 +297,72 @@ def _restore_args(abstract: PyTree) -> PyTree:
 def abstract_like(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
     """`jax.ShapeDtypeStruct`s of ``tree``'s leaves, all placed with ``sharding``."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Lists the keys whose values differ between two config dicts.
+
+    >>> config_differences({"a": 1, "m": {"b": 2}}, {"a": 1, "m": {"b": 3}, "c": 0})
+    ['c: (absent) -> 0', 'm.b: 2 -> 3']
+    """
+    out = []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key, "(absent)"), current.get(key, "(absent)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_differences(old, new, f"{prefix}{key}.")
+        elif _normalize(old) != _normalize(new):
+            out.append(f"{prefix}{key}: {old} -> {new}")
+    return out
+
+
+def _normalize(value: Any) -> Any:
+    # JSON turns tuples into lists; compare them as equal.
+    return json.loads(json.dumps(value, default=str)) if value != "(absent)" else value
+
+
+class Preempted(Exception):
+    """Training stopped early on SIGTERM/SIGINT after saving a checkpoint."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(
+            f"Preempted: saved a checkpoint at step {step} in {directory}. Run the same "
+            "command again to resume from it."
+        )
+        self.step = step
+        self.directory = directory
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM and SIGINT into a flag that the loop polls at step boundaries.
+
+    Handlers are installed only in the main thread (Python's rule); elsewhere the
+    watcher never fires. A second SIGINT while a save is pending still stops the
+    process through Python's default handler.
+
+    Args:
+      signals: the signals to catch.
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
+        self._event = threading.Event()
+        self.signal_name: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        del frame
+        if self._event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means "now"
+        self.signal_name = signal.Signals(signum).name
+        self._event.set()
+
+    def requested(self) -> bool:
+        """True once a signal has arrived (agreed across processes by the caller)."""
+        return self._event.is_set()
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

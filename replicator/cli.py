@@ -26,6 +26,15 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
 _STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: latest).")
 _QUIET = flags.DEFINE_bool("quiet", False, "train: no progress bar.")
+_STRICT = flags.DEFINE_bool(
+    "strict", False, "Fail on an unreadable checkpoint instead of using the previous one."
+)
+_FOLLOW = flags.DEFINE_bool(
+    "follow", False, "eval: evaluate every new checkpoint as training writes it (sidecar)."
+)
+_FOLLOW_TIMEOUT = flags.DEFINE_float(
+    "follow_timeout", None, "eval --follow: stop after this many seconds without a new checkpoint."
+)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     None,
@@ -55,15 +64,27 @@ def main(argv: list[str]) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     from replicator import train
+    from replicator.checkpoint import Preempted
 
     if argv[1] == "train":
-        result = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, quiet=_QUIET.value)
+        try:
+            result = train.train_and_evaluate(
+                _CONFIG.value, _WORKDIR.value, quiet=_QUIET.value, strict=_STRICT.value
+            )
+        except Preempted as e:
+            print(e)
+            return
         print(
             f"Final test accuracy after {result['step']} steps: {result['accuracy']:.2%} "
             f"({result['num_examples']} examples, loss {result['loss']:.4f})"
         )
+    elif _FOLLOW.value:
+        for result in train.follow(_CONFIG.value, _WORKDIR.value, timeout_s=_FOLLOW_TIMEOUT.value):
+            print(json.dumps(result))
     else:
-        result = train.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value)
+        result = train.evaluate(
+            _CONFIG.value, _WORKDIR.value, step=_STEP.value, strict=_STRICT.value
+        )
         print(json.dumps(result))
 
 

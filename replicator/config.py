@@ -42,12 +42,29 @@ SCHEMA: dict[str, tuple[tuple, Any]] = {
     "log_every_steps": ((int,), 10),
     "eval_every_steps": ((int,), _REQUIRED),
     "checkpoint_every_steps": ((int,), _REQUIRED),
-    "keep_checkpoints": ((int,), 3),
+    "keep_checkpoints": ((int,), 3),  # the latest N
+    "keep_best_checkpoints": ((int,), 0),  # plus the best N by best_metric
+    "best_metric": ((str,), "accuracy"),
+    "best_mode": ((str,), "max"),
+}
+
+MINIMUM = {
+    "batch_size": 1,
+    "eval_batch_size": 1,
+    "num_train_steps": 1,
+    "grad_accum_steps": 1,
+    "log_every_steps": 1,
+    "eval_every_steps": 1,
+    "checkpoint_every_steps": 1,
+    "keep_checkpoints": 1,
+    "keep_best_checkpoints": 0,
 }
 
 CHOICES = {
     "step_path": ("run", "compile"),
     "precision": (None, "fp32", "bf16", "fp16"),
+    "best_mode": ("max", "min"),
+    "best_metric": ("accuracy", "loss"),
 }
 
 
@@ -106,19 +123,9 @@ def _names(types: tuple) -> str:
 
 def _range_problems(values: dict[str, Any]) -> list[str]:
     problems = []
-    for key in (
-        "batch_size",
-        "num_train_steps",
-        "grad_accum_steps",
-        "log_every_steps",
-        "eval_every_steps",
-        "checkpoint_every_steps",
-        "keep_checkpoints",
-    ):
-        if values[key] < 1:
-            problems.append(f"{key!r} must be >= 1, got {values[key]}")
-    if values["eval_batch_size"] is not None and values["eval_batch_size"] < 1:
-        problems.append(f"'eval_batch_size' must be >= 1, got {values['eval_batch_size']}")
+    for key, low in MINIMUM.items():
+        if values[key] is not None and values[key] < low:
+            problems.append(f"{key!r} must be >= {low}, got {values[key]}")
     if values["learning_rate"] <= 0:
         problems.append(f"'learning_rate' must be > 0, got {values['learning_rate']}")
     for key, choices in CHOICES.items():

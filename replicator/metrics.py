@@ -45,18 +45,28 @@ class MetricWriter:
 
     Args:
       workdir: the run's directory.
+      resume_step: the step a resumed run restarts from. Records of later steps
+        (written before an interruption, and about to be redone) are dropped from
+        the JSONL file and purged from TensorBoard, so the history reads as if the
+        run had never stopped. None only appends (a sidecar evaluator).
       enabled: whether to write (default: on process 0 only).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool | None = None):
+    def __init__(self, workdir: str, *, resume_step: int | None = 0, enabled: bool | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = self._tensorboard = None
         if self.enabled:
             from tensorboardX import SummaryWriter
 
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-            self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            path = os.path.join(workdir, "metrics.jsonl")
+            if resume_step is not None:
+                _drop_records_after(path, resume_step)
+            self._jsonl = open(path, "a")
+            self._tensorboard = SummaryWriter(
+                os.path.join(workdir, "tensorboard"),
+                purge_step=resume_step + 1 if resume_step else None,
+            )
 
     def write(self, step: int, metrics: Mapping[str, Any], *, split: str | None = None) -> None:
         """Writes one record: ``{"step": step, "split": split, **metrics}``."""
@@ -75,6 +85,26 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tensorboard.close()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        if record.get("step", 0) <= step and record.get("split") != "summary":
+            keep.append(json.dumps(record) + "\n")
+    if len(keep) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
 
 
 def _to_python(value: Any) -> Any:

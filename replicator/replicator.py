@@ -391,11 +391,12 @@ class _StepsInFlight:
         return out
 
     def _wait(self, arrays: list[jax.Array]) -> None:
-        live = [x for x in arrays if not x.is_deleted()]
-        if not live and self._pending:
-            # Donated into a later step; that step's outputs stand for it.
-            live = [x for x in self._pending[0] if not x.is_deleted()]
-        jax.block_until_ready(live)
+        # An output may since have been donated into a later step; then that later
+        # step's outputs stand for it (it cannot finish before this one).
+        for candidates in (arrays, *self._pending):
+            for x in candidates:
+                if _block(x):
+                    return
 
     def drain(self) -> None:
         while self._pending:
@@ -403,6 +404,19 @@ class _StepsInFlight:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def _block(x: jax.Array) -> bool:
+    """Waits for ``x``; False if it was deleted or donated meanwhile."""
+    if x.is_deleted():
+        return False
+    try:
+        x.block_until_ready()
+    except jax.errors.JaxRuntimeError as e:
+        if "donated" in str(e) or "deleted" in str(e):
+            return False
+        raise
+    return True
 
 
 class _Prefetcher:
@@ -458,7 +472,9 @@ class _Prefetcher:
         return self._state
 
     def close(self) -> None:
+        """Stops the background thread and waits for it, so nothing runs at exit."""
         self._stop.set()
+        self._thread.join(timeout=60)
 
     def __del__(self):
         self._stop.set()

@@ -26,7 +26,14 @@ import optax
 
 from replicator import config as config_lib
 from replicator import data
-from replicator.checkpoint import Checkpoints, abstract_like
+from replicator.checkpoint import (
+    Checkpoints,
+    CorruptCheckpointError,
+    Preempted,
+    PreemptionWatcher,
+    abstract_like,
+    config_differences,
+)
 from replicator.metrics import MetricWriter, ProgressBar, Stopwatch, summarize_sums
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
@@ -71,29 +78,42 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, *, quiet: bool = False, devices=None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    quiet: bool = False,
+    devices=None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Trains ``config``'s experiment, evaluating and checkpointing along the way.
 
-    Continues from the latest checkpoint in ``workdir`` if there is one.
+    Continues from the newest readable checkpoint in ``workdir`` if there is one,
+    with the same data order and RNG, so an interrupted run ends exactly like an
+    uninterrupted one. SIGTERM/SIGINT save a checkpoint at the next step boundary
+    and raise `Preempted`.
 
     Args:
       config: a training config (see `replicator.config.SCHEMA`).
       workdir: where ``metrics.jsonl``, TensorBoard events and checkpoints go.
       quiet: no progress bar.
       devices: the devices to train on (default: all).
+      strict: fail on an unreadable checkpoint instead of falling back to the
+        previous one.
 
     Returns:
       The final eval record: ``step``, ``loss``, ``accuracy``, ``num_examples``.
+
+    Raises:
+      Preempted: after saving, when a SIGTERM or SIGINT arrived.
     """
     # ---- Set up: everything that can fail on bad input fails before the workdir is touched.
     watch = Stopwatch()
+    preemption = PreemptionWatcher()
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
     train_source = data.load_data_source(
         config.dataset, config.train_split, data_dir=config.data_dir
     )
-    eval_source = run.eval_source
     eval_batch_size = _eval_batch_size(config, repl)
     _check_divisible("batch_size", config.batch_size, repl)
     train_iter = data.make_train_iterator(
@@ -104,51 +124,60 @@ def train_and_evaluate(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-
+    config_json = config_lib.to_json(config)
     log.info("%s on %s", config.experiment, repl)
 
-    # ---- Initialise or restore.
+    # ---- Initialise, or restore the newest readable checkpoint.
     os.makedirs(workdir, exist_ok=True)
     checkpoints = Checkpoints(
-        os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.keep_checkpoints,
+        keep_best=config.keep_best_checkpoints,
+        best_metric=config.best_metric,
+        best_mode=config.best_mode,
     )
-    start_step = checkpoints.latest_step()
+    target = abstract_like(run.abstract_state, repl.mirrored_sharding)
+    start_step, restored = checkpoints.restore_latest_good(
+        lambda step: checkpoints.restore(step, target), strict=strict
+    )
     if start_step is None:
         start_step = 0
         state = repl.compile(run.init_state, out_shardings=repl.mirrored_sharding)()
     else:
-        target = abstract_like(run.abstract_state, repl.mirrored_sharding)
-        state, data_state = checkpoints.restore(start_step, target)
+        state, data_state = restored
         train_iter.set_state(data_state["iterator"].encode())
+        _warn_config_changes(checkpoints.saved_config(start_step), json.loads(config_json))
         log.info("Resumed from step %d in %s", start_step, checkpoints.directory)
-    config_json = config_lib.to_json(config)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config_json)
 
     train_step, eval_step = _make_steps(run)
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, resume_step=start_step)
     progress = ProgressBar(config.num_train_steps, start_step, enabled=False if quiet else None)
     batches = repl.distribute(train_iter)
 
-    def save(step: int) -> None:
+    def save(step: int, metrics: dict[str, Any] | None = None) -> None:
         with watch.time("checkpoint"):
-            data_state = {"iterator": batches.get_state().decode()}
-            checkpoints.save(step, state, data_state=data_state, config_json=config_json)
+            checkpoints.save(
+                step,
+                state,
+                data_state={"iterator": batches.get_state().decode()},
+                config_json=config_json,
+                metrics=metrics and {k: metrics[k] for k in ("accuracy", "loss")},
+            )
 
     def evaluate_now(step: int) -> dict[str, Any]:
         with watch.time("eval"):
-            result = {
-                "step": step,
-                **_evaluate(
-                    repl,
-                    eval_step,
-                    state.params,
-                    eval_source,
-                    eval_batch_size,
-                    run.experiment.preprocess,
-                ),
-            }
+            result = _evaluate(
+                repl,
+                eval_step,
+                state.params,
+                run.eval_source,
+                eval_batch_size,
+                run.experiment.preprocess,
+            )
+        result = {"step": step, **result}
         writer.write(step, result, split=config.eval_split)
         log.info(
             "step %d  %s accuracy %.4f  loss %.4f  (%d examples)",
@@ -160,72 +189,180 @@ def train_and_evaluate(
         )
         return result
 
-    # ---- Train. Metrics reach the host one log interval late, so dispatch stays async.
-    pending: list[tuple[int, Any]] = []
-    last_log = (start_step, time.perf_counter())
-    result = None
-    for step in range(start_step + 1, config.num_train_steps + 1):
-        with watch.time("input"):
-            batch = next(batches)
-        with watch.time("compile" if step == start_step + 1 else "compute"):
-            state, metrics = train_step(state, batch)
-        pending.append((step, metrics))
-        if step % config.log_every_steps == 0 or step == config.num_train_steps:
-            last_log = _log_train(writer, progress, pending, last_log, config.batch_size)
-            pending = []
-        if step % config.eval_every_steps == 0 and step != config.num_train_steps:
-            evaluate_now(step)
-        if step % config.checkpoint_every_steps == 0 or step == config.num_train_steps:
-            save(step)
-
-    # ---- Final eval and summary.
-    repl.wait()
-    result = evaluate_now(config.num_train_steps)
-    checkpoints.close()
-    batches.close()
-    progress.close()
-    summary = {k: round(v, 3) for k, v in watch.totals.items()} | {"total": watch.elapsed()}
-    writer.write(config.num_train_steps, {"wall_time_s": summary}, split="summary")
-    writer.close()
-    return result
+    # ---- Train. A logged step's metrics reach the host one step late, so the host never
+    # waits for the device just to log.
+    logger = _TrainLogger(writer, progress, start_step, config.batch_size)
+    step = start_step
+    try:
+        while step < config.num_train_steps:
+            step += 1
+            with watch.time("input"):
+                batch = next(batches)
+            with watch.time("compile" if step == start_step + 1 else "compute"):
+                state, metrics = train_step(state, batch)
+            checkpoints.check_for_errors()  # a failed async save surfaces here, not later
+            last = step == config.num_train_steps
+            progress.update(step)
+            logger.flush()
+            if step % config.log_every_steps == 0 or last:
+                logger.hold(step, metrics)
+            eval_result = None
+            if step % config.eval_every_steps == 0 or last:
+                eval_result = evaluate_now(step)
+            if step % config.checkpoint_every_steps == 0 or last:
+                save(step, eval_result)
+            elif preemption.requested():
+                save(step, eval_result)
+            if preemption.requested() and not last:
+                logger.flush()
+                checkpoints.wait()
+                log.warning("%s received at step %d.", preemption.signal_name, step)
+                raise Preempted(step, checkpoints.directory)
+        logger.flush()
+        if start_step == config.num_train_steps:
+            eval_result = evaluate_now(step)  # already trained: just report
+    finally:
+        preemption.close()
+        batches.close()
+        progress.close()
+        checkpoints.close()
+        summary = {k: round(v, 3) for k, v in watch.totals.items()} | {
+            "total": round(watch.elapsed(), 3)
+        }
+        writer.write(step, {"wall_time_s": summary}, split="summary")
+        writer.close()
+    return eval_result
 
 
 def evaluate(
-    config: ml_collections.ConfigDict, workdir: str, *, step: int | None = None, devices=None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    step: int | None = None,
+    devices=None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Restores parameters from ``workdir`` onto the current devices and evaluates them.
 
     Args:
       config: the training config (only data, model and mesh keys matter).
       workdir: the training run's directory.
-      step: which checkpoint; the latest by default.
+      step: which checkpoint; by default the newest readable one.
       devices: the devices to evaluate on (default: all), whatever trained it.
+      strict: fail on an unreadable checkpoint instead of falling back.
 
     Returns:
       ``{"step", "loss", "accuracy", "num_examples"}``.
     """
-    run = setup(config, devices=devices)
-    config, repl = run.config, run.repl
-    checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
-    available = checkpoints.all_steps()
-    step = checkpoints.latest_step() if step is None else step
-    if step is None or step not in available:
-        raise FileNotFoundError(
-            f"No checkpoint {'' if step is None else f'for step {step} '}in "
-            f"{checkpoints.directory}; available steps: {available or 'none'}."
+    evaluator = Evaluator(config, workdir, devices=devices)
+    try:
+        return evaluator.evaluate(step, strict=strict)
+    finally:
+        evaluator.close()
+
+
+def follow(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    devices=None,
+    timeout_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """A sidecar evaluator: evaluates every new checkpoint in ``workdir`` as it appears.
+
+    Results go to ``metrics.jsonl`` (``"sidecar": true``) and are attached to the
+    checkpoint, where the training run's best-N retention finds them. Stops after
+    the checkpoint of the final step, or when no new checkpoint came for
+    ``timeout_s`` seconds.
+
+    Args:
+      config: the training config.
+      workdir: the training run's directory.
+      devices: the devices to evaluate on.
+      timeout_s: how long to wait for each new checkpoint; None waits forever.
+
+    Returns:
+      The eval records, oldest first.
+    """
+    evaluator = Evaluator(config, workdir, devices=devices)
+    writer = MetricWriter(workdir, resume_step=None)
+    results, last = [], None
+    try:
+        while last is None or last < evaluator.config.num_train_steps:
+            step = _wait_for_checkpoint(evaluator.checkpoints, after=last, timeout_s=timeout_s)
+            if step is None:
+                log.info("No new checkpoint in %s s; stopping.", timeout_s)
+                break
+            last = step
+            try:
+                result = evaluator.evaluate(step)
+            except (FileNotFoundError, CorruptCheckpointError) as e:
+                log.warning("sidecar: skipping step %d: %s", step, e)  # e.g. deleted by retention
+                continue
+            writer.write(step, {**result, "sidecar": True}, split=evaluator.config.eval_split)
+            evaluator.checkpoints.write_metrics(
+                step, {"accuracy": result["accuracy"], "loss": result["loss"]}
+            )
+            log.info("sidecar: step %d accuracy %.4f", step, result["accuracy"])
+            results.append(result)
+    finally:
+        writer.close()
+        evaluator.close()
+    return results
+
+
+class Evaluator:
+    """Restores parameters from a run's checkpoints and evaluates them exactly."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, devices=None):
+        self.run = setup(config, devices=devices)
+        self.config = self.run.config
+        self.checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
+        _, self._eval_step = _make_steps(self.run)
+        self._target = abstract_like(
+            self.run.abstract_state.params, self.run.repl.mirrored_sharding
         )
-    params = checkpoints.restore_params(
-        step, abstract_like(run.abstract_state.params, repl.mirrored_sharding)
-    )
-    checkpoints.close()
-    eval_batch_size = _eval_batch_size(config, repl)
-    _, eval_step = _make_steps(run)
-    return {
-        "step": step,
-        **_evaluate(
-            repl, eval_step, params, run.eval_source, eval_batch_size, run.experiment.preprocess
-        ),
-    }
+
+    def evaluate(self, step: int | None = None, *, strict: bool = False) -> dict[str, Any]:
+        """Evaluates checkpoint ``step`` (default: the newest readable one)."""
+        self.checkpoints.reload()
+        available = self.checkpoints.all_steps()
+        if step is None:
+            step, params = self.checkpoints.restore_latest_good(
+                lambda s: self.checkpoints.restore_params(s, self._target), strict=strict
+            )
+        elif step in available:
+            params = self.checkpoints.restore_params(step, self._target)
+        if step is None or step not in available:
+            raise FileNotFoundError(
+                f"No {'readable checkpoint' if step is None else f'checkpoint for step {step}'}"
+                f" in {self.checkpoints.directory}; available steps: {available or 'none'}."
+            )
+        run = self.run
+        result = _evaluate(
+            run.repl,
+            self._eval_step,
+            params,
+            run.eval_source,
+            _eval_batch_size(self.config, run.repl),
+            run.experiment.preprocess,
+        )
+        return {"step": step, **result}
+
+    def close(self) -> None:
+        self.checkpoints.close()
+
+
+def _wait_for_checkpoint(checkpoints: Checkpoints, *, after: int | None, timeout_s):
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        checkpoints.reload()
+        newer = [s for s in checkpoints.all_steps() if after is None or s > after]
+        if newer:
+            return newer[0]
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
 
 
 def _init_state(experiment, model, tx, example, seed) -> TrainState:
@@ -274,19 +411,38 @@ def _evaluate(repl, eval_step, params, source, global_batch_size, preprocess) ->
     return result
 
 
-def _log_train(writer, progress, pending, last_log, batch_size):
-    """Fetches the pending steps' metrics (now finished) and writes one record."""
-    last_step, last_time = last_log
-    step = pending[-1][0]
-    now = time.perf_counter()
-    totals = jax.device_get([m for _, m in pending])
-    loss = float(np.mean([m["loss"] for m in totals]))
-    accuracy = sum(float(m["correct"]) for m in totals) / sum(float(m["count"]) for m in totals)
-    examples_per_sec = (step - last_step) * batch_size / max(now - last_time, 1e-9)
-    record = {"loss": loss, "accuracy": accuracy, "examples_per_sec": examples_per_sec}
-    writer.write(step, record)
-    progress.update(step, loss=loss, examples_per_sec=examples_per_sec)
-    return step, now
+class _TrainLogger:
+    """Writes the metrics of every logged step, fetched once the next step is dispatched.
+
+    A record holds that step's own metrics (not a mean since the last record), so
+    a resumed run logs exactly what an uninterrupted one does.
+    """
+
+    def __init__(self, writer: MetricWriter, progress: ProgressBar, step: int, batch_size: int):
+        self._writer, self._progress, self._batch_size = writer, progress, batch_size
+        self._held = None
+        self._last = (step, time.perf_counter())
+
+    def hold(self, step: int, metrics: Any) -> None:
+        self._held = (step, metrics)
+
+    def flush(self) -> None:
+        if self._held is None:
+            return
+        (step, metrics), self._held = self._held, None
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        last_step, last_time = self._last
+        self._last = (step, now)
+        record = {
+            "loss": float(metrics["loss"]),
+            "accuracy": float(metrics["correct"]) / float(metrics["count"]),
+            "examples_per_sec": (step - last_step) * self._batch_size / max(now - last_time, 1e-9),
+        }
+        self._writer.write(step, record)
+        self._progress.update(
+            step, loss=record["loss"], examples_per_sec=record["examples_per_sec"]
+        )
 
 
 def _batch_unit(repl: Replicator) -> int:
@@ -318,6 +474,15 @@ def _make_optimizer(name: str, learning_rate: float) -> optax.GradientTransforma
 def _import_dataset_builders() -> None:
     # Registers the offline tfds builders of this repository (e.g. "digits").
     importlib.import_module("experiments.datasets")
+
+
+def _warn_config_changes(saved: dict, current: dict) -> None:
+    changes = config_differences(saved, current)
+    if changes:
+        log.warning(
+            "The config differs from the one saved with the checkpoint:\n  %s",
+            "\n  ".join(changes),
+        )
 
 
 def load_saved_config(workdir: str) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
 
 
 def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
-    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+    with pytest.raises(FileNotFoundError, match="No readable checkpoint.*available steps: none"):
         train.evaluate(load_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
 
 
