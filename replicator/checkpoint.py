@@ -72,6 +72,7 @@ class Checkpoints:
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}.")
         self.directory = os.path.abspath(directory)
+        self._keep_best = keep_best
         policies = [checkpoint_managers.LatestN(n=max_to_keep)]
         if keep_best:
             policies.append(
@@ -124,7 +125,8 @@ class Checkpoints:
         # reload() see its metrics along with any a sidecar evaluator added since.
         self._manager.wait_until_finished()
         self._manager.check_for_errors()
-        self._manager.reload()
+        if self._keep_best:
+            self._manager.reload()
         items = {
             "state": ocp.args.PyTreeSave(state),
             "data": ocp.args.JsonSave(data_state),
