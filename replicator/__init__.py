@@ -8,9 +8,13 @@ runs it on every device.
 from replicator.context import ReplicaContext as ReplicaContext
 from replicator.context import get_replica_context as get_replica_context
 from replicator.losses import compute_average_loss as compute_average_loss
+from replicator.losses import global_sum as global_sum
 from replicator.losses import scale_regularization_loss as scale_regularization_loss
+from replicator.precision import LossScale as LossScale
 from replicator.precision import Policy as Policy
+from replicator.precision import apply_policy as apply_policy
 from replicator.replicator import ReduceOp as ReduceOp
 from replicator.replicator import Replicator as Replicator
+from replicator.state import TrainState as TrainState
 
 __version__ = "0.1.0"

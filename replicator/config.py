@@ -37,6 +37,8 @@ SCHEMA: dict[str, tuple[tuple, Any]] = {
     # Where and how precisely.
     "mesh": ((dict,), _REQUIRED),
     "precision": ((str, None), _REQUIRED),
+    "matmul_precision": ((str, None), None),  # jax.default_matmul_precision, e.g. "tensorfloat32"
+    "nonfinite": ((str,), "halt"),  # a non-finite update: "halt" the run or "skip" it
     "step_path": ((str,), "run"),  # "run" (per-replica) or "compile" (global view)
     # Periodic work.
     "log_every_steps": ((int,), 10),
@@ -64,6 +66,16 @@ CHOICES = {
     "step_path": ("run", "compile"),
     "precision": (None, "fp32", "bf16", "fp16"),
     "best_mode": ("max", "min"),
+    "nonfinite": ("halt", "skip"),
+    "matmul_precision": (
+        None,
+        "default",
+        "high",
+        "highest",
+        "bfloat16",
+        "tensorfloat32",
+        "float32",
+    ),
     "best_metric": ("accuracy", "loss"),
 }
 

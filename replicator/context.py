@@ -45,3 +45,21 @@ def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+_MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("microbatches", default=1)
+
+
+def num_microbatches() -> int:
+    """How many microbatches the step being traced splits each batch into (usually 1)."""
+    return _MICROBATCHES.get()
+
+
+@contextlib.contextmanager
+def microbatching(count: int) -> Iterator[int]:
+    """While tracing one microbatch of ``count``: losses scale by the full batch."""
+    token = _MICROBATCHES.set(count)
+    try:
+        yield count
+    finally:
+        _MICROBATCHES.reset(token)

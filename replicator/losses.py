@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from replicator.context import get_replica_context
+from replicator.context import get_replica_context, num_microbatches
 
 
 def compute_average_loss(
@@ -27,7 +27,10 @@ def compute_average_loss(
         axes are summed, so a ``[batch, time]`` loss sums its time steps too.
       global_batch_size: the denominator. By default the local batch size times
         the number of replicas inside `Replicator.run`, and the batch size itself
-        outside it (the global view of `Replicator.compile`).
+        outside it (the global view of `Replicator.compile`); under gradient
+        accumulation, times the number of microbatches, so that the microbatches'
+        losses add up to the full batch's. For a weighted mean pass the total
+        weight of the global batch, e.g. ``rp.global_sum(mask)``.
       sample_weight: weights that broadcast (numpy rules) to ``per_example_loss``,
         e.g. a 0/1 mask that drops padded examples from the numerator.
 
@@ -60,7 +63,8 @@ def compute_average_loss(
         loss = loss * weight.astype(loss.dtype)
     if global_batch_size is None:
         ctx = get_replica_context()
-        global_batch_size = loss.shape[0] * (ctx.num_replicas if ctx else 1)
+        replicas = ctx.num_replicas if ctx else 1
+        global_batch_size = loss.shape[0] * replicas * num_microbatches()
     return jnp.sum(loss) / jnp.asarray(global_batch_size, loss.dtype)
 
 
@@ -84,3 +88,27 @@ def scale_regularization_loss(regularization_loss: jax.typing.ArrayLike) -> jax.
     total = total.astype(jnp.promote_types(total.dtype, jnp.float32))
     ctx = get_replica_context()
     return total / (ctx.num_replicas if ctx else 1)
+
+
+def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
+    """Sums ``x`` over the whole global batch, e.g. the total weight of a mask.
+
+    Inside `Replicator.run` this sums across the replicas too (a ``psum``); under
+    `Replicator.compile` ``x`` already is the global batch. Call it on the full
+    batch, outside any microbatch loop, and pass the result as
+    ``compute_average_loss(..., global_batch_size=total)`` for an exact weighted
+    mean whatever the replica and microbatch counts.
+
+    >>> float(global_sum(jnp.array([1.0, 0.0, 1.0])))
+    2.0
+    """
+    total = jnp.sum(jnp.asarray(x))
+    ctx = get_replica_context()
+    if ctx is None:
+        return total
+    varying = jax.typeof(total).manual_axis_type.varying
+    axes = tuple(a for a in ctx.axis_names if a in varying)
+    missing = tuple(a for a in ctx.axis_names if a not in varying)
+    if missing:  # a replica-invariant value is counted once per replica
+        total = jax.lax.pcast(total, missing, to="varying")
+    return jax.lax.psum(total, axes + missing)

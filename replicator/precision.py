@@ -1,10 +1,29 @@
-"""Precision policies: which dtype parameters are stored in, computed in, and output in."""
+"""Mixed precision: policies, a policy applied to any Flax model, dynamic loss scaling.
+
+A policy names three dtypes: parameters (and optimizer state) are *stored* in
+``param_dtype``, the model *computes* in ``compute_dtype``, and its outputs
+(logits, hence losses) come out in ``output_dtype``. `apply_policy` enforces it
+on an unchanged Flax model by casting: parameters and floating inputs go into
+``apply`` in the compute dtype, outputs leave in the output dtype, and the
+gradients flow back through the casts to the float32 parameters.
+
+fp16's narrow exponent range needs a loss scale: `LossScale` multiplies the
+loss before differentiation, and the train state unscales the gradients, skips
+the update when they are not finite (one decision for all replicas, since the
+gradients are all-reduced first), halves the scale then, and doubles it after
+``growth_interval`` good steps, up to ``max_scale``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import struct
+
+PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,22 +31,37 @@ class Policy:
     """A mixed-precision policy.
 
     Attributes:
-      name: the preset's name (``"fp32"``, ``"bf16"``).
+      name: the preset's name (``"fp32"``, ``"bf16"``, ``"fp16"``).
       param_dtype: storage dtype of parameters and optimizer state.
       compute_dtype: dtype of activations and matmuls inside the model.
       output_dtype: dtype of logits and losses.
+      loss_scaling: whether training needs a dynamic loss scale (fp16).
     """
 
     name: str
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
     output_dtype: jnp.dtype
+    loss_scaling: bool = False
+
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
+        """Casts the floating leaves of ``tree`` to the compute dtype."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """Casts the floating leaves of ``tree`` to the parameter dtype."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_output(self, tree: PyTree) -> PyTree:
+        """Casts the floating leaves of ``tree`` to the output dtype."""
+        return _cast_floating(tree, self.output_dtype)
 
 
 _F32 = jnp.dtype("float32")
 PRESETS = {
     "fp32": Policy("fp32", _F32, _F32, _F32),
     "bf16": Policy("bf16", _F32, jnp.dtype("bfloat16"), _F32),
+    "fp16": Policy("fp16", _F32, jnp.dtype("float16"), _F32, loss_scaling=True),
 }
 
 
@@ -40,11 +74,105 @@ def get_policy(precision: str | Policy | None) -> Policy:
     if isinstance(precision, Policy):
         return precision
     name = "fp32" if precision is None else precision
-    if name == "fp16":
-        raise ValueError(
-            "precision='fp16' needs dynamic loss scaling, which replicator does not have "
-            "yet; use 'bf16' (same speed-ups on TPU and Ampere+ GPUs, no loss scale) or None."
-        )
     if name not in PRESETS:
         raise ValueError(f"Unknown precision {precision!r}; choose one of {[None, *PRESETS]}.")
     return PRESETS[name]
+
+
+def _cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
+    def cast(x):
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct) or hasattr(x, "dtype"):
+            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+                return jnp.asarray(x, dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+class PolicyModel:
+    """A Flax model under a precision policy, with the model's own ``init``/``apply``.
+
+    ``init`` returns variables in the parameter dtype. ``apply`` runs the model
+    on parameters and floating inputs cast to the compute dtype (Flax layers
+    compute in the dtype of their inputs and parameters) and returns floating
+    outputs in the output dtype. Other attributes are the wrapped model's.
+    """
+
+    def __init__(self, module: Any, policy: Policy):
+        self.module = module
+        self.policy = policy
+
+    def init(self, rngs, *args, **kwargs) -> PyTree:
+        return self.policy.cast_to_param(self.module.init(rngs, *args, **kwargs))
+
+    def apply(self, variables: PyTree, *args, **kwargs) -> Any:
+        policy = self.policy
+        out = self.module.apply(
+            policy.cast_to_compute(variables), *policy.cast_to_compute(args), **kwargs
+        )
+        return policy.cast_to_output(out)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def apply_policy(module: Any, policy: Policy | str | None) -> Any:
+    """Runs a Flax model under ``policy`` without changing its code.
+
+    Args:
+      module: a Flax linen module (anything with ``init`` and ``apply``).
+      policy: a `Policy` or preset name.
+
+    Returns:
+      ``module`` itself for fp32, else a `PolicyModel` wrapping it.
+    """
+    policy = get_policy(policy)
+    if policy.compute_dtype == policy.param_dtype == policy.output_dtype == _F32:
+        return module
+    return PolicyModel(module, policy)
+
+
+@struct.dataclass
+class LossScale:
+    """Dynamic loss-scale state (part of the train state, so it is checkpointed).
+
+    Attributes:
+      scale: the current scale (float32).
+      good_steps: finite steps since the scale last changed.
+      growth_interval: finite steps after which the scale doubles.
+      max_scale: the cap; the scale never grows beyond it.
+      min_scale: the floor; halving stops there.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    max_scale: float = struct.field(pytree_node=False, default=2.0**24)
+    min_scale: float = struct.field(pytree_node=False, default=1.0)
+
+    @classmethod
+    def create(cls, initial: float = 2.0**15, **kwargs) -> LossScale:
+        """A fresh loss scale starting at ``initial``."""
+        return cls(scale=jnp.float32(initial), good_steps=jnp.int32(0), **kwargs)
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        return loss * self.scale.astype(loss.dtype)
+
+    def unscale(self, grads: PyTree) -> PyTree:
+        return jax.tree.map(lambda g: (g / self.scale).astype(g.dtype), grads)
+
+    def update(self, finite: jax.Array) -> LossScale:
+        """Halves the scale after a non-finite step; doubles it after enough finite ones.
+
+        >>> s = LossScale.create(8.0, growth_interval=2, max_scale=16.0)
+        >>> [float((s := s.update(jnp.bool_(ok))).scale) for ok in (True, True, True, True, False)]
+        [8.0, 16.0, 16.0, 16.0, 8.0]
+        """
+        grow = finite & (self.good_steps + 1 >= self.growth_interval)
+        scale = jnp.where(
+            finite,
+            jnp.where(grow, jnp.minimum(self.scale * 2, self.max_scale), self.scale),
+            jnp.maximum(self.scale / 2, self.min_scale),
+        )
+        good_steps = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        return self.replace(scale=scale.astype(jnp.float32), good_steps=good_steps)

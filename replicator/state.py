@@ -1,35 +1,167 @@
-"""The train state: everything a step changes, as one pytree."""
+"""The train state: everything a step changes, as one pytree, and the two step verbs.
+
+`TrainState.value_and_grad` differentiates a loss the way the run is configured
+(microbatches, loss scale) and `TrainState.apply_gradients` applies the update
+unless the gradients are not finite. Step functions written with them need no
+change for gradient accumulation or fp16.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import struct
+
+from replicator.context import get_replica_context, microbatching
+from replicator.precision import LossScale
+
+PyTree = Any
 
 
 @struct.dataclass
 class TrainState:
-    """Parameters, optimizer state, step counter and RNG key of a run.
+    """Parameters, optimizer state, counters and RNG key of a run.
 
     Attributes:
-      step: how many updates have been applied (an int32 array).
+      step: how many steps have run (an int32 array), skipped ones included.
       params: the model parameters (stored in the policy's param dtype).
       opt_state: the optimizer's state.
-      rng: a `jax.random.key` folded with ``step`` for per-step randomness.
+      rng: a `jax.random.key`; fold in ``step`` for per-step randomness.
+      loss_scale: the dynamic loss scale (fp16), or None.
+      skipped_steps: how many updates were skipped for non-finite gradients.
+      grad_accum_steps: microbatches each replica's batch is split into.
     """
 
     step: jax.Array
-    params: Any
-    opt_state: Any
+    params: PyTree
+    opt_state: PyTree
     rng: jax.Array
+    loss_scale: LossScale | None = None
+    skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.int32(0))
+    grad_accum_steps: int = struct.field(pytree_node=False, default=1)
 
-    def apply_gradients(self, grads: Any, tx: optax.GradientTransformation) -> TrainState:
-        """Returns the state after one optimizer update with ``grads``."""
+    @classmethod
+    def create(
+        cls,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        *,
+        loss_scale: LossScale | None = None,
+        grad_accum_steps: int = 1,
+    ) -> TrainState:
+        """A fresh state at step 0."""
+        return cls(
+            step=jnp.int32(0),
+            params=params,
+            opt_state=tx.init(params),
+            rng=rng,
+            loss_scale=loss_scale,
+            grad_accum_steps=grad_accum_steps,
+        )
+
+    def value_and_grad(
+        self,
+        loss_fn: Callable[..., Any],
+        batch: PyTree,
+        *,
+        has_aux: bool = False,
+    ) -> tuple[Any, PyTree]:
+        """``jax.value_and_grad(loss_fn)(self.params, batch)``, accumulated and scaled.
+
+        With ``grad_accum_steps = k`` each replica's batch is split into k
+        microbatches on its leading axis, differentiated one at a time in a
+        compiled loop (peak activation memory: one microbatch), and the losses,
+        gradients and ``aux`` are summed. `compute_average_loss` divides every
+        microbatch by the full global batch, so the sum is exactly the big-batch
+        loss and gradient (not a mean of microbatch means). Inside `Replicator.run`
+        the gradients are all-reduced once, after the loop.
+
+        With a loss scale, the loss is scaled before differentiation and the
+        gradients unscaled after; the loss returned is unscaled.
+
+        Args:
+          loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)`` with
+            ``has_aux``; ``aux`` leaves must be sums (they are added up).
+          batch: this replica's batch.
+          has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+        Returns:
+          ``(loss, grads)`` or ``((loss, aux), grads)``.
+        """
+        scale = self.loss_scale
+
+        def scaled_loss(params, microbatch):
+            out = loss_fn(params, microbatch)
+            loss, aux = out if has_aux else (out, None)
+            return (scale.scale_loss(loss) if scale else loss), (loss, aux)
+
+        grad_fn = jax.grad(scaled_loss, has_aux=True)
+        k = self.grad_accum_steps
+        if k == 1:
+            grads, (loss, aux) = grad_fn(self.params, batch)
+        else:
+            grads, (loss, aux) = _accumulate(grad_fn, self.params, batch, k)
+        if scale:
+            grads = scale.unscale(grads)
+        return ((loss, aux) if has_aux else loss), grads
+
+    def apply_gradients(self, grads: PyTree, tx: optax.GradientTransformation) -> TrainState:
+        """One optimizer update, skipped when any gradient is not finite.
+
+        A skipped step leaves parameters and optimizer state exactly as they were,
+        counts in ``skipped_steps`` and halves the loss scale; the decision is the
+        same on every replica because the gradients are all-reduced first.
+        """
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
+        finite = all_finite(grads)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         return self.replace(
             step=self.step + 1,
-            params=optax.apply_updates(self.params, updates),
-            opt_state=opt_state,
+            params=keep(optax.apply_updates(self.params, updates), self.params),
+            opt_state=keep(opt_state, self.opt_state),
+            loss_scale=self.loss_scale.update(finite) if self.loss_scale else None,
+            skipped_steps=self.skipped_steps + (~finite).astype(jnp.int32),
         )
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """True when every element of every leaf is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _accumulate(grad_fn, params, batch, k):
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    (size,) = sizes
+    if size % k:
+        raise ValueError(
+            f"grad_accum_steps={k} does not divide the per-replica batch of {size}; use a "
+            f"batch size that is a multiple of {k} x the number of replicas."
+        )
+    micro = jax.tree.map(lambda x: x.reshape(k, size // k, *x.shape[1:]), batch)
+    ctx = get_replica_context()
+    if ctx is not None:
+        # Per-replica gradients: sum locally over the microbatches and all-reduce once,
+        # instead of once per microbatch.
+        params = jax.tree.map(lambda p: _vary(p, ctx.axis_names), params)
+    with microbatching(k):
+        first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+
+        def add(total, microbatch):
+            return jax.tree.map(jnp.add, total, grad_fn(params, microbatch)), None
+
+        total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
+    grads, (loss, aux) = total
+    if ctx is not None:
+        grads = jax.lax.psum(grads, ctx.axis_names)
+    return grads, (loss, aux)
+
+
+def _vary(x: jax.Array, axes) -> jax.Array:
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

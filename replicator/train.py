@@ -35,6 +35,7 @@ from replicator.checkpoint import (
     config_differences,
 )
 from replicator.metrics import MetricWriter, ProgressBar, Stopwatch, summarize_sums
+from replicator.precision import LossScale, apply_policy
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 
@@ -58,22 +59,27 @@ class Run:
 def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     """Validates ``config`` and builds the Replicator, model, optimizer and state shapes."""
     config = config_lib.validate(config)
-    if config.grad_accum_steps != 1:
-        raise ValueError(
-            f"grad_accum_steps={config.grad_accum_steps}: gradient accumulation is not "
-            "available yet; set grad_accum_steps=1 and raise batch_size instead."
-        )
     repl = Replicator(devices=devices, mesh=dict(config.mesh), precision=config.precision)
     experiment = importlib.import_module(config.experiment)
     _import_dataset_builders()
     try:
-        model = experiment.make_model(repl.precision, **config.model.to_dict())
+        model = apply_policy(experiment.make_model(**config.model.to_dict()), repl.precision)
     except TypeError as e:
         raise ValueError(f"config.model does not fit {config.experiment}.make_model: {e}") from e
     tx = repl.wrap_optimizer(_make_optimizer(config.optimizer, config.learning_rate))
     eval_source = data.load_data_source(config.dataset, config.eval_split, data_dir=config.data_dir)
     example = experiment.preprocess(eval_source[0])
-    init = functools.partial(_init_state, experiment, model, tx, example, config.seed)
+    loss_scale = LossScale.create() if repl.precision.loss_scaling else None
+    init = functools.partial(
+        _init_state,
+        experiment,
+        model,
+        tx,
+        example,
+        config.seed,
+        loss_scale,
+        config.grad_accum_steps,
+    )
     return Run(config, repl, experiment, model, tx, jax.eval_shape(init), eval_source, init)
 
 
@@ -192,17 +198,20 @@ def train_and_evaluate(
     # ---- Train. A logged step's metrics reach the host one step late, so the host never
     # waits for the device just to log.
     logger = _TrainLogger(writer, progress, start_step, config.batch_size)
+    guard = _NonfiniteGuard(workdir, config.nonfinite, repl.precision.loss_scaling)
     step = start_step
     try:
         while step < config.num_train_steps:
             step += 1
             with watch.time("input"):
+                position = batches.get_state()  # where this batch starts, for replay
                 batch = next(batches)
             with watch.time("compile" if step == start_step + 1 else "compute"):
-                state, metrics = train_step(state, batch)
+                state, metrics, status = train_step(state, batch)
             checkpoints.check_for_errors()  # a failed async save surfaces here, not later
             last = step == config.num_train_steps
             progress.update(step)
+            guard.watch(step, metrics, status, batch, position)
             logger.flush()
             if step % config.log_every_steps == 0 or last:
                 logger.hold(step, metrics)
@@ -218,6 +227,7 @@ def train_and_evaluate(
                 checkpoints.wait()
                 log.warning("%s received at step %d.", preemption.signal_name, step)
                 raise Preempted(step, checkpoints.directory)
+        guard.flush()
         logger.flush()
         if start_step == config.num_train_steps:
             eval_result = evaluate_now(step)  # already trained: just report
@@ -365,28 +375,58 @@ def _wait_for_checkpoint(checkpoints: Checkpoints, *, after: int | None, timeout
         time.sleep(0.5)
 
 
-def _init_state(experiment, model, tx, example, seed) -> TrainState:
+def _init_state(experiment, model, tx, example, seed, loss_scale, grad_accum_steps) -> TrainState:
     init_rng, state_rng = jax.random.split(jax.random.key(seed))
     params = experiment.init_params(model, init_rng, example)
-    return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=state_rng)
+    return TrainState.create(
+        params, tx, state_rng, loss_scale=loss_scale, grad_accum_steps=grad_accum_steps
+    )
 
 
 def _make_steps(run: Run):
-    """The experiment's steps on the configured path, with per-replica metrics reduced."""
-    repl = run.repl
-    train_fn = run.experiment.make_train_step(run.model, run.tx)
-    eval_fn = run.experiment.make_eval_step(run.model)
-    if run.config.step_path == "compile":
-        return repl.compile(train_fn, donate_argnums=(0,)), repl.compile(eval_fn)
+    """The experiment's steps on the configured path, with per-replica metrics reduced.
+
+    The train step returns ``(state, metrics, status)``: ``status`` holds the
+    mirrored counters the loop watches (updates skipped this step, loss scale).
+    """
+    repl, config = run.repl, run.config
+    train_fn = _with_matmul_precision(
+        run.experiment.make_train_step(run.model, run.tx), config.matmul_precision
+    )
+    eval_fn = _with_matmul_precision(
+        run.experiment.make_eval_step(run.model), config.matmul_precision
+    )
+
+    def train_with_status(state, batch):
+        new_state, metrics = train_fn(state, batch)
+        status = {"skipped": new_state.skipped_steps - state.skipped_steps}
+        if new_state.loss_scale is not None:
+            status["loss_scale"] = new_state.loss_scale.scale
+        return new_state, metrics, status
+
+    if config.step_path == "compile":
+        return repl.compile(train_with_status, donate_argnums=(0,)), repl.compile(eval_fn)
 
     def train_step(state, batch):
-        state, metrics = repl.run(train_fn, state, batch, donate_argnums=(0,))
-        return state, repl.reduce(ReduceOp.SUM, metrics)
+        state, metrics, status = repl.run(train_with_status, state, batch, donate_argnums=(0,))
+        return state, repl.reduce(ReduceOp.SUM, metrics), status
 
     def eval_step(params, batch):
         return repl.reduce(ReduceOp.SUM, repl.run(eval_fn, params, batch))
 
     return train_step, eval_step
+
+
+def _with_matmul_precision(fn: Callable, precision: str | None) -> Callable:
+    if precision is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced_with_precision(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    return traced_with_precision
 
 
 def _evaluate(repl, eval_step, params, source, global_batch_size, preprocess) -> dict[str, Any]:
@@ -409,6 +449,57 @@ def _evaluate(repl, eval_step, params, source, global_batch_size, preprocess) ->
             f"{len(source)}; the input pipeline lost or duplicated examples."
         )
     return result
+
+
+class _NonfiniteGuard:
+    """Checks every step for a skipped (non-finite) update, one step late.
+
+    With dynamic loss scaling, a skip with a finite loss is an expected overflow
+    (the scale halves) and is only counted. Any other skip is recorded in
+    ``WORKDIR/nonfinite/step_<N>.process_<P>.json`` (the input iterator's position
+    before the batch and, when the batch carries an ``index``, its example
+    indices), so the batch can be replayed; policy ``"halt"`` then stops the run.
+    """
+
+    def __init__(self, workdir: str, policy: str, loss_scaling: bool):
+        self._dir = os.path.join(workdir, "nonfinite")
+        self._policy, self._loss_scaling = policy, loss_scaling
+        self._held = None
+
+    def watch(self, step, metrics, status, batch, position) -> None:
+        previous, self._held = self._held, (step, metrics, status, batch, position)
+        if previous is not None:
+            self._check(*previous)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._check(*held)
+
+    def _check(self, step, metrics, status, batch, position) -> None:
+        if not int(jax.device_get(status["skipped"])):
+            return
+        loss = float(jax.device_get(metrics["loss"]))
+        if self._loss_scaling and np.isfinite(loss):
+            log.info("step %d: gradients overflowed; update skipped, loss scale halved.", step)
+            return
+        record = {"step": step, "loss": loss, "iterator_state_before": position.decode()}
+        if "index" in batch:
+            shards = batch["index"].addressable_shards
+            record["example_indices"] = np.concatenate(
+                [np.asarray(s.data) for s in shards]
+            ).tolist()
+        os.makedirs(self._dir, exist_ok=True)
+        path = os.path.join(self._dir, f"step_{step}.process_{jax.process_index()}.json")
+        with open(path, "w") as f:
+            json.dump(record, f)
+        if self._policy == "halt":
+            raise FloatingPointError(
+                f"Non-finite loss or gradients at step {step} (loss {loss}); the update was not "
+                f"applied. The batch is recorded in {path}. Set config.nonfinite='skip' to "
+                "skip such steps instead."
+            )
+        log.warning("step %d: non-finite gradients; update skipped (batch in %s).", step, path)
 
 
 class _TrainLogger:

@@ -8,12 +8,16 @@ import pytest
 import replicator as rp
 
 PUBLIC = [
+    "LossScale",
     "Policy",
     "ReduceOp",
     "ReplicaContext",
     "Replicator",
+    "TrainState",
+    "apply_policy",
     "compute_average_loss",
     "get_replica_context",
+    "global_sum",
     "scale_regularization_loss",
 ]
 

@@ -16,22 +16,23 @@ class CNN(nn.Module):
       dense_features: width of the hidden dense layer.
       padding: convolution padding; the tutorial's 28x28 model uses "VALID", 8x8
         digits need "SAME" to survive two poolings.
-      dtype: compute dtype of activations (parameters are created in float32).
+      dtype: compute dtype; None (the default) computes in the dtype of the inputs
+        and parameters, which is how replicator's precision policy sets it.
     """
 
     num_classes: int = 10
     conv_features: Sequence[int] = (32, 64)
     dense_features: int = 64
     padding: str = "SAME"
-    dtype: jnp.dtype = jnp.float32
+    dtype: jnp.dtype | None = None
 
     @nn.compact
     def __call__(self, images_BxHxWxC: jax.Array) -> jax.Array:
-        x = images_BxHxWxC.astype(self.dtype)
+        x = images_BxHxWxC
         for features in self.conv_features:
             x = nn.Conv(features, (3, 3), padding=self.padding, dtype=self.dtype)(x)
             x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(self.dense_features, dtype=self.dtype)(x))
         logits_BxC = nn.Dense(self.num_classes, dtype=self.dtype)(x)
-        return logits_BxC.astype(jnp.float32)
+        return logits_BxC

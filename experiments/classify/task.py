@@ -19,17 +19,21 @@ from experiments.classify.model import CNN
 from replicator.state import TrainState
 
 
-def preprocess(example: dict[str, Any]) -> dict[str, np.ndarray]:
-    """uint8 image -> float32 in [0, 1]; label -> int32."""
+def preprocess(batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    """uint8 images -> float32 in [0, 1]; labels -> int32.
+
+    The loader calls it once per batch, on the examples stacked along axis 0;
+    being elementwise, it also maps a single example.
+    """
     return {
-        "image": np.asarray(example["image"], np.float32) / 255.0,
-        "label": np.asarray(example["label"], np.int32),
+        "image": np.asarray(batch["image"], np.float32) / 255.0,
+        "label": np.asarray(batch["label"], np.int32),
     }
 
 
-def make_model(precision: rp.Policy, **model_kwargs: Any) -> CNN:
-    """The CNN computing in the policy's compute dtype."""
-    return CNN(dtype=precision.compute_dtype, **model_kwargs)
+def make_model(**model_kwargs: Any) -> CNN:
+    """The CNN; the trainer applies the precision policy around it."""
+    return CNN(**model_kwargs)
 
 
 def init_params(model: CNN, rng: jax.Array, example: dict[str, np.ndarray]) -> Any:
@@ -38,22 +42,26 @@ def init_params(model: CNN, rng: jax.Array, example: dict[str, np.ndarray]) -> A
 
 
 def make_train_step(model: CNN, tx: optax.GradientTransformation) -> Callable:
-    """Returns ``train_step(state, batch) -> (state, metrics)``."""
+    """Returns ``train_step(state, batch) -> (state, metrics)``.
+
+    Padded examples (``batch["mask"] == 0``, if there is a mask) count nowhere:
+    the loss is the mean over the real examples of the global batch.
+    """
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]):
-        def loss_fn(params):
+        mask = batch.get("mask", jnp.ones(batch["label"].shape, jnp.float32))
+        total = rp.global_sum(mask)  # the real examples of the whole global batch
+
+        def loss_fn(params, batch):
             logits = model.apply({"params": params}, batch["image"])
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-            return rp.compute_average_loss(losses), logits
+            weight = batch.get("mask", jnp.ones_like(losses))
+            loss = rp.compute_average_loss(losses, global_batch_size=total, sample_weight=weight)
+            correct = (jnp.argmax(logits, -1) == batch["label"]) * weight
+            return loss, {"correct": jnp.sum(correct), "count": jnp.sum(weight)}
 
-        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        correct = jnp.argmax(logits, -1) == batch["label"]
-        # Sums derived from the batch, so they are per-replica values to reduce.
-        metrics = {
-            "loss": loss,
-            "correct": jnp.sum(correct),
-            "count": jnp.sum(jnp.ones_like(correct)),
-        }
+        (loss, sums), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
+        metrics = {"loss": loss, **sums}
         return state.apply_gradients(grads, tx), metrics
 
     return train_step

@@ -1,0 +1,174 @@
+"""Mixed precision, dynamic loss scaling, non-finite steps and exact gradient accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator import checkpoint as ckpt
+from tests.test_replicator import init_params, per_example_loss
+
+BATCH = 32
+
+
+def make_batch(seed=0, masked=5):
+    rng = np.random.default_rng(seed)
+    mask = np.ones(BATCH, np.float32)
+    mask[rng.choice(BATCH, masked, replace=False)] = 0.0  # uneven across replicas
+    return {
+        "x": rng.normal(size=(BATCH, 5)).astype(np.float32),
+        "y": rng.integers(0, 3, size=BATCH).astype(np.int32),
+        "mask": mask,
+    }
+
+
+def make_step(tx, weighted):
+    def train_step(state, batch):
+        total = rp.global_sum(batch["mask"]) if weighted else None
+
+        def loss_fn(params, mb):
+            losses = per_example_loss(params, mb)
+            loss = rp.compute_average_loss(losses, global_batch_size=total, sample_weight=mb["mask"])
+            return loss, {"count": jnp.sum(mb["mask"])}
+
+        (loss, aux), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
+        return state.apply_gradients(grads, tx), {"loss": loss, **aux}
+
+    return train_step
+
+
+def reference(batches, weighted, make_tx):
+    """One device, the whole batch, written by hand."""
+    tx = make_tx()
+    params = init_params()
+    opt_state = tx.init(params)
+    for b in batches:
+        denominator = b["mask"].sum() if weighted else len(b["mask"])
+        loss_fn = lambda p: jnp.sum(per_example_loss(p, b) * b["mask"]) / denominator
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_replicas_times_microbatches_equal_one_big_batch(k, weighted, path):
+    batches = [make_batch(seed) for seed in range(3)]
+    make_tx = lambda: optax.sgd(0.3)
+    expected = reference(batches, weighted, make_tx)
+
+    repl = rp.Replicator(mesh={"data": 4, "fsdp": 2})
+    tx = repl.wrap_optimizer(make_tx())
+    state = repl.replicate(
+        rp.TrainState.create(init_params(), tx, jax.random.key(0), grad_accum_steps=k)
+    )
+    step_fn = make_step(tx, weighted)
+    for b in batches:
+        if path == "run":
+            state, metrics = repl.run(step_fn, state, repl.shard_batch(b), donate_argnums=(0,))
+            count = repl.reduce(rp.ReduceOp.SUM, metrics["count"])
+        else:
+            state, metrics = repl.compile(step_fn, donate_argnums=(0,))(state, repl.shard_batch(b))
+            count = metrics["count"]
+        assert float(count) == b["mask"].sum()
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), state.params, expected
+    )
+
+
+def test_microbatch_count_must_divide_the_replica_batch():
+    repl = rp.Replicator()
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    state = repl.replicate(
+        rp.TrainState.create(init_params(), tx, jax.random.key(0), grad_accum_steps=3)
+    )
+    with pytest.raises(ValueError, match="grad_accum_steps=3 does not divide the per-replica"):
+        repl.run(make_step(tx, True), state, repl.shard_batch(make_batch()))
+
+
+def test_bf16_policy_computes_in_bf16_and_stores_fp32():
+    from experiments.classify import CNN
+
+    model = rp.apply_policy(CNN(padding="SAME"), "bf16")
+    images = jnp.zeros((4, 8, 8, 1), jnp.float32)
+    params = model.init(jax.random.key(0), images)["params"]
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, images))(params)
+    convs = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(convs) == 2 and len(dots) == 2
+    for eqn in convs + dots:
+        assert {v.aval.dtype for v in eqn.invars} == {jnp.dtype("bfloat16")}
+    assert jaxpr.out_avals[0].dtype == jnp.float32  # logits leave in the output dtype
+    grads = jax.grad(lambda p: model.apply({"params": p}, images).sum())(params)
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
+
+
+def test_fp16_inf_on_one_replica_skips_everywhere_and_halves_the_scale():
+    repl = rp.Replicator(precision="fp16")
+    tx = repl.wrap_optimizer(optax.adam(0.1))
+    model_params = init_params()
+    scale = rp.LossScale.create(2.0**10, growth_interval=2, max_scale=2.0**11)
+    state = repl.replicate(rp.TrainState.create(model_params, tx, jax.random.key(0),
+                                                loss_scale=scale))
+    step_fn = make_step(tx, weighted=True)
+
+    bad = make_batch(masked=0)
+    bad["x"][5] = np.inf  # one example on replica 1 of 8
+    state, _ = repl.run(step_fn, state, repl.shard_batch(bad))
+    assert int(state.skipped_steps) == 1 and int(state.step) == 1
+    assert float(state.loss_scale.scale) == 2.0**9
+    jax.tree.map(np.testing.assert_array_equal, state.params, model_params)
+    opt_before = tx.init(model_params)
+    jax.tree.map(np.testing.assert_array_equal, state.opt_state, opt_before)
+
+    scales = []
+    for seed in range(6):
+        state, _ = repl.run(step_fn, state, repl.shard_batch(make_batch(seed)))
+        scales.append(float(state.loss_scale.scale))
+    assert scales == [2.0**9, 2.0**10, 2.0**10, 2.0**11, 2.0**11, 2.0**11]  # grows, capped
+    assert int(state.skipped_steps) == 1
+
+
+def test_loss_scale_survives_a_checkpoint(tmp_path):
+    repl = rp.Replicator()
+    tx = optax.adam(0.1)
+    scale = rp.LossScale.create(1024.0).update(jnp.bool_(False))
+    state = rp.TrainState.create(init_params(), tx, jax.random.key(0), loss_scale=scale)
+    manager = ckpt.Checkpoints(str(tmp_path))
+    manager.save(1, state, data_state={}, config_json="{}")
+    manager.close()
+    restored, _ = ckpt.Checkpoints(str(tmp_path), read_only=True).restore(
+        1, ckpt.abstract_like(state, repl.mirrored_sharding)
+    )
+    assert float(restored.loss_scale.scale) == 512.0
+    assert int(restored.loss_scale.good_steps) == 0
+    assert restored.loss_scale.growth_interval == scale.growth_interval
+
+
+def test_nonfinite_halt_names_the_step_and_records_the_batch(tmp_path, digits_data_dir):
+    from replicator import train
+    from tests.test_train import load_config
+
+    config = load_config(data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd",
+                         num_train_steps=6)
+    with pytest.raises(FloatingPointError, match=r"at step (\d+).*recorded in") as info:
+        train.train_and_evaluate(config, str(tmp_path), quiet=True)
+    records = list((tmp_path / "nonfinite").iterdir())
+    assert len(records) == 1 and records[0].name.startswith("step_")
+    assert records[0].name.split("_")[1].split(".")[0] in str(info.value)
+
+
+def test_nonfinite_skip_keeps_training(tmp_path, digits_data_dir):
+    from replicator import train
+    from tests.test_train import load_config
+
+    config = load_config(data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd",
+                         num_train_steps=6, nonfinite="skip")
+    result = train.train_and_evaluate(config, str(tmp_path), quiet=True)
+    assert result["step"] == 6
+    assert len(list((tmp_path / "nonfinite").iterdir())) >= 1
