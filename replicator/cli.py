@@ -1,4 +1,5 @@
-"""Command line: ``python -m replicator train|eval --config FILE --workdir DIR``.
+"""Command line: ``python -m replicator train|eval --config FILE --workdir DIR``, and
+``python -m replicator launch {local,tpu,slurm} ... -- train ...`` (see `replicator.launch`).
 
 Configs are ml_collections files; any key can be overridden with
 ``--config.key=value`` (type-checked). ``train`` ends by printing the final test
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -35,6 +38,9 @@ _FOLLOW = flags.DEFINE_bool(
 _FOLLOW_TIMEOUT = flags.DEFINE_float(
     "follow_timeout", None, "eval --follow: stop after this many seconds without a new checkpoint."
 )
+_INIT_TIMEOUT = flags.DEFINE_float(
+    "init_timeout", 300.0, "Multi-process runs: seconds to wait for every process to arrive."
+)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     None,
@@ -55,38 +61,72 @@ def main(argv: list[str]) -> None:
 
     if _CPU_DEVICES.value:
         jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    from replicator.mesh import detect_process_group, initialize_distributed
+
+    initialize_distributed(detect_process_group(), timeout_s=_INIT_TIMEOUT.value)
     # Our own progress lines at INFO; the libraries' (Orbax's per-save chatter) only if WARNING+.
     absl_logging.set_verbosity(absl_logging.WARNING)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("replicator")
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
     logger.propagate = False
     from replicator import train
     from replicator.checkpoint import Preempted
 
+    chief = jax.process_index() == 0  # only process 0 prints results
     if argv[1] == "train":
         try:
             result = train.train_and_evaluate(
                 _CONFIG.value, _WORKDIR.value, quiet=_QUIET.value, strict=_STRICT.value
             )
         except Preempted as e:
-            print(e)
+            if chief:
+                print(e)
             return
-        print(
-            f"Final test accuracy after {result['step']} steps: {result['accuracy']:.2%} "
-            f"({result['num_examples']} examples, loss {result['loss']:.4f})"
-        )
+        if chief:
+            print(
+                f"Final test accuracy after {result['step']} steps: {result['accuracy']:.2%} "
+                f"({result['num_examples']} examples, loss {result['loss']:.4f})"
+            )
     elif _FOLLOW.value:
         for result in train.follow(_CONFIG.value, _WORKDIR.value, timeout_s=_FOLLOW_TIMEOUT.value):
-            print(json.dumps(result))
+            if chief:
+                print(json.dumps(result))
     else:
         result = train.evaluate(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, strict=_STRICT.value
         )
-        print(json.dumps(result))
+        if chief:
+            print(json.dumps(result))
+
+
+def main_or_exit(argv: list[str]) -> None:
+    """`main`; in a multi-process run an error exits at once.
+
+    A normal exit waits at JAX's shutdown barrier for the other processes, which
+    are stuck in a collective waiting for this one, until a 5-minute timeout.
+    Exiting at once lets the others' launcher see the failure and stop them.
+    """
+    try:
+        main(argv)
+    except (app.UsageError, SystemExit):
+        raise
+    except BaseException:
+        import jax
+
+        if jax.process_count() == 1:
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def run() -> None:
-    app.run(main)
+    if len(sys.argv) > 1 and sys.argv[1] == "launch":
+        from replicator import launch
+
+        sys.exit(launch.main(sys.argv[2:]))
+    app.run(main_or_exit)

@@ -8,7 +8,9 @@ The data-parallel replicas span ``data`` x ``fsdp``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -103,3 +105,106 @@ def _create_device_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np
     except (ValueError, NotImplementedError, AssertionError):
         # Topologies mesh_utils does not know (e.g. fake CPU devices split oddly).
         return np.asarray(devices, dtype=object).reshape(shape)
+
+
+# ---------------------------------------------------------------- multi-process
+
+ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
+ENV_NUM_PROCESSES = "REPLICATOR_NUM_PROCESSES"
+ENV_PROCESS_ID = "REPLICATOR_PROCESS_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in a multi-process run.
+
+    Attributes:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: how many processes take part.
+      process_id: this process, in ``[0, num_processes)``.
+      source: what it was detected from (``"explicit"``, ``"environment"``, or
+        JAX's cluster detectors: ``"SlurmCluster"``, ``"GceTpuCluster"``, ...).
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    source: str
+
+
+def detect_process_group(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ProcessGroup | None:
+    """Finds out whether this is one process of several, and which.
+
+    In order: explicit arguments; ``REPLICATOR_COORDINATOR``,
+    ``REPLICATOR_NUM_PROCESSES`` and ``REPLICATOR_PROCESS_ID`` (set by
+    ``python -m replicator launch``); then JAX's own cluster detectors (SLURM,
+    Cloud TPU VMs, Kubernetes, Open MPI). Returns None for a single process.
+    """
+    environ = os.environ if environ is None else environ
+    source = "explicit"
+    if coordinator_address is None and ENV_COORDINATOR in environ:
+        coordinator_address = environ[ENV_COORDINATOR]
+        num_processes = int(environ.get(ENV_NUM_PROCESSES, 0)) or num_processes
+        process_id = int(environ[ENV_PROCESS_ID]) if ENV_PROCESS_ID in environ else process_id
+        source = "environment"
+    if coordinator_address is None:
+        # JAX's detectors (jax._src is private, but this is exactly what
+        # jax.distributed.initialize() itself runs); pinned jax version.
+        from jax._src import clusters
+
+        env = next(
+            (
+                e
+                for e in clusters.ClusterEnv._cluster_types
+                if not e.opt_in_only_method and e.is_env_present()
+            ),
+            None,
+        )
+        if env is None:
+            return None
+        coordinator_address, num_processes, process_id, _ = (
+            clusters.ClusterEnv.auto_detect_unset_distributed_params(
+                None, num_processes, process_id, None, None, None
+            )
+        )
+        source = env.__name__
+    if not num_processes or num_processes <= 1:
+        return None
+    if process_id is None or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id={process_id} is not in [0, {num_processes}) for the run "
+            f"coordinated at {coordinator_address} ({source})."
+        )
+    return ProcessGroup(coordinator_address, num_processes, process_id, source)
+
+
+def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300.0) -> None:
+    """Joins the multi-process run (`jax.distributed.initialize`); nothing for one process.
+
+    Before handing over to JAX, the processes meet at a rendezvous on the
+    coordinator's host (port + 1) with the same timeout, because JAX aborts the
+    process on a timeout without saying who is missing. Here a missing process
+    is a `TimeoutError` naming the absent process ids and what was tried. CPU
+    collectives use gloo.
+
+    Args:
+      group: from `detect_process_group`; None means a single process.
+      timeout_s: how long to wait for every process to arrive.
+    """
+    if group is None:
+        return
+    from replicator import rendezvous
+
+    rendezvous.meet(group, timeout_s=timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=group.coordinator_address,
+        num_processes=group.num_processes,
+        process_id=group.process_id,
+        initialization_timeout=max(int(timeout_s), 1),
+    )

@@ -68,7 +68,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
         raise ValueError(f"config.model does not fit {config.experiment}.make_model: {e}") from e
     tx = repl.wrap_optimizer(_make_optimizer(config.optimizer, config.learning_rate))
     eval_source = data.load_data_source(config.dataset, config.eval_split, data_dir=config.data_dir)
-    example = experiment.preprocess(eval_source[0])
+    example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     loss_scale = LossScale.create() if repl.precision.loss_scaling else None
     init = functools.partial(
         _init_state,
@@ -114,7 +114,7 @@ def train_and_evaluate(
     """
     # ---- Set up: everything that can fail on bad input fails before the workdir is touched.
     watch = Stopwatch()
-    preemption = PreemptionWatcher()
+    preemption = PreemptionWatcher()  # before anything slow, so no signal is missed
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
     train_source = data.load_data_source(
@@ -218,14 +218,14 @@ def train_and_evaluate(
             eval_result = None
             if step % config.eval_every_steps == 0 or last:
                 eval_result = evaluate_now(step)
-            if step % config.checkpoint_every_steps == 0 or last:
+            stop = preemption.stop_step(step) == step
+            if step % config.checkpoint_every_steps == 0 or last or stop:
                 save(step, eval_result)
-            elif preemption.requested():
-                save(step, eval_result)
-            if preemption.requested() and not last:
+            if stop and not last:
+                guard.flush()
                 logger.flush()
                 checkpoints.wait()
-                log.warning("%s received at step %d.", preemption.signal_name, step)
+                log.warning("%s received; stopped at step %d.", preemption.signal_name, step)
                 raise Preempted(step, checkpoints.directory)
         guard.flush()
         logger.flush()

@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path, digits_data_dir, uninter
     code, out, err = finish(proc)
     assert code == 0, err[-3000:]
     assert "Preempted: saved a checkpoint at step" in out
-    saved = int(out.split("at step ")[1].split()[0])
+    saved = int(re.search(r"saved a checkpoint at step (\d+)", out).group(1))
     assert (workdir / "checkpoints" / str(saved)).exists()
     code, out, err = finish(start_train(workdir, digits_data_dir))
     assert code == 0, err[-3000:]

@@ -111,25 +111,39 @@ def test_split_test_mask_is_stratified_and_exact():
 
 
 def test_train_shards_are_disjoint_cover_the_split_and_reshuffle(test_source):
-    num_processes, shard_size = 3, 360 // 3
-    epochs = {}  # process -> [indices of its first epoch, of its second]
-    for process in range(num_processes):
-        # One local batch is exactly one epoch of this process's shard.
-        batches = _train_batches(
+    num_processes = 3
+    # One global batch is exactly one epoch of the split.
+    per_process = {
+        process: [
+            b["index"]
+            for b in _train_batches(
+                _WithIndex(test_source),
+                2,
+                global_batch_size=360,
+                seed=0,
+                process_index=process,
+                process_count=num_processes,
+            )
+        ]
+        for process in range(num_processes)
+    }
+    single = [
+        b["index"]
+        for b in _train_batches(
             _WithIndex(test_source),
             2,
-            global_batch_size=num_processes * shard_size,
+            global_batch_size=360,
             seed=0,
-            process_index=process,
-            process_count=num_processes,
+            process_index=0,
+            process_count=1,
         )
-        epochs[process] = [b["index"] for b in batches]
-    first_epoch = np.concatenate([e[0] for e in epochs.values()])
-    np.testing.assert_array_equal(np.sort(first_epoch), np.arange(360))
-    for first, second in epochs.values():
-        np.testing.assert_array_equal(np.sort(first), np.sort(second))
-        assert not np.array_equal(first, second), "each epoch must be reshuffled"
-        assert not np.array_equal(first, np.sort(first)), "examples must be shuffled"
+    ]
+    for epoch in range(2):
+        rows = np.concatenate([per_process[p][epoch] for p in range(num_processes)])
+        np.testing.assert_array_equal(np.sort(rows), np.arange(360))  # disjoint, covering
+        np.testing.assert_array_equal(rows, single[epoch])  # the same global batch as 1 process
+    assert not np.array_equal(single[0], single[1]), "each epoch must be reshuffled"
+    assert not np.array_equal(single[0], np.sort(single[0])), "examples must be shuffled"
 
 
 def test_train_batches_are_process_local_and_preprocessed(train_source):
@@ -158,12 +172,105 @@ def test_train_iterator_resumes_from_saved_state(data_dir):
     )
     it = data.make_train_iterator(source, **kwargs)
     next(it), next(it)
-    state = it.get_state()
+    # As the trainer stores it in a checkpoint: a string.
+    saved = it.get_state().decode()
     expected = [next(it) for _ in range(3)]
 
     restored = data.make_train_iterator(source, **kwargs)
-    restored.set_state(state)
+    restored.set_state(saved.encode())
     _assert_same_batches([next(restored) for _ in range(3)], expected)
+
+
+def test_restoring_the_state_of_another_stream_is_an_error():
+    source = [{"x": np.float32(i)} for i in range(10)]
+    kwargs = dict(global_batch_size=4, preprocess=dict, process_index=0, process_count=2)
+    state = data.make_train_iterator(source, seed=3, **kwargs).get_state()
+    with pytest.raises(ValueError, match="'seed': 3.*'seed': 4"):
+        data.make_train_iterator(source, seed=4, **kwargs).set_state(state)
+
+
+@pytest.mark.parametrize("global_batch_size", [4, 14])  # smaller and larger than the split
+def test_every_epoch_is_a_permutation_of_the_split(global_batch_size):
+    source = _WithIndex([{"x": np.float32(i)} for i in range(10)])
+    iterators = [
+        data.make_train_iterator(
+            source,
+            global_batch_size=global_batch_size,
+            preprocess=dict,
+            seed=0,
+            process_index=p,
+            process_count=2,
+        )
+        for p in range(2)
+    ]
+    # The global stream: each global batch is process 0's rows, then process 1's.
+    stream = np.concatenate(
+        [np.concatenate([next(it)["index"] for it in iterators]) for _ in range(10)]
+    )
+    epochs = stream[: len(stream) // 10 * 10].reshape(-1, 10)
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(10))
+    assert len({tuple(epoch) for epoch in epochs}) > 1, "each epoch must be reshuffled"
+
+
+def test_train_batches_do_not_depend_on_threads(train_source):
+    kwargs = dict(global_batch_size=48, seed=5, process_index=0, process_count=1)
+    sequential = _train_batches(train_source, 40, **kwargs)
+    threaded = _train_batches(train_source, 40, num_threads=3, **kwargs)
+    _assert_same_batches(sequential, threaded)
+
+
+# Reading batches and the in-memory cache.
+
+
+class _CountingSource:
+    """A list-backed source that counts the examples read from it."""
+
+    def __init__(self, examples: list[dict]):
+        self.examples, self.reads = examples, 0
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        self.reads += 1
+        return self.examples[index]
+
+
+def test_small_splits_are_cached_unless_disabled(data_dir):
+    assert isinstance(data.load_data_source("digits", "test", data_dir=data_dir), data.CachedSource)
+    uncached = data.load_data_source("digits", "test", data_dir=data_dir, max_cache_bytes=0)
+    assert not isinstance(uncached, data.CachedSource)
+
+
+def test_cached_source_reads_each_example_once(test_source):
+    examples = [test_source[i] for i in range(20)]
+    counting = _CountingSource(examples)
+    cached = data.CachedSource(counting)
+    for indices in ([3, 1, 3], [1, 2, 19, 0], list(range(20)), [7]):
+        batch = cached.read_batch(indices)
+        np.testing.assert_array_equal(
+            batch["image"], np.stack([examples[i]["image"] for i in indices])
+        )
+        np.testing.assert_array_equal(batch["label"], [examples[i]["label"] for i in indices])
+    assert counting.reads == 20
+    np.testing.assert_array_equal(cached[-1]["image"], examples[19]["image"])
+
+
+def test_cached_batches_are_copies_that_preprocessing_may_change():
+    cached = data.CachedSource([{"x": np.zeros(2)}, {"x": np.ones(2)}])
+    cached.read_batch([0, 1])["x"] *= 7  # In place, as a careless preprocess might.
+    np.testing.assert_array_equal(cached.read_batch([0, 1])["x"], [[0, 0], [1, 1]])
+
+
+def test_examples_of_different_shapes_are_a_clear_error():
+    examples = [{"x": np.zeros(2)}, {"x": np.zeros(3)}]
+    with pytest.raises(ValueError, match="one shape across the split"):
+        data.read_batch(examples, [0, 1])
+    cached = data.CachedSource(examples)
+    cached.read_batch([0])
+    with pytest.raises(ValueError, match="one shape across the split"):
+        cached.read_batch([1])
 
 
 # Evaluation iterator.

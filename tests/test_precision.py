@@ -30,7 +30,9 @@ def make_step(tx, weighted):
 
         def loss_fn(params, mb):
             losses = per_example_loss(params, mb)
-            loss = rp.compute_average_loss(losses, global_batch_size=total, sample_weight=mb["mask"])
+            loss = rp.compute_average_loss(
+                losses, global_batch_size=total, sample_weight=mb["mask"]
+            )
             return loss, {"count": jnp.sum(mb["mask"])}
 
         (loss, aux), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
@@ -46,7 +48,7 @@ def reference(batches, weighted, make_tx):
     opt_state = tx.init(params)
     for b in batches:
         denominator = b["mask"].sum() if weighted else len(b["mask"])
-        loss_fn = lambda p: jnp.sum(per_example_loss(p, b) * b["mask"]) / denominator
+        loss_fn = lambda p, b=b, d=denominator: jnp.sum(per_example_loss(p, b) * b["mask"]) / d
         grads = jax.grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -113,8 +115,9 @@ def test_fp16_inf_on_one_replica_skips_everywhere_and_halves_the_scale():
     tx = repl.wrap_optimizer(optax.adam(0.1))
     model_params = init_params()
     scale = rp.LossScale.create(2.0**10, growth_interval=2, max_scale=2.0**11)
-    state = repl.replicate(rp.TrainState.create(model_params, tx, jax.random.key(0),
-                                                loss_scale=scale))
+    state = repl.replicate(
+        rp.TrainState.create(model_params, tx, jax.random.key(0), loss_scale=scale)
+    )
     step_fn = make_step(tx, weighted=True)
 
     bad = make_batch(masked=0)
@@ -154,8 +157,9 @@ def test_nonfinite_halt_names_the_step_and_records_the_batch(tmp_path, digits_da
     from replicator import train
     from tests.test_train import load_config
 
-    config = load_config(data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd",
-                         num_train_steps=6)
+    config = load_config(
+        data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd", num_train_steps=6
+    )
     with pytest.raises(FloatingPointError, match=r"at step (\d+).*recorded in") as info:
         train.train_and_evaluate(config, str(tmp_path), quiet=True)
     records = list((tmp_path / "nonfinite").iterdir())
@@ -167,8 +171,13 @@ def test_nonfinite_skip_keeps_training(tmp_path, digits_data_dir):
     from replicator import train
     from tests.test_train import load_config
 
-    config = load_config(data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd",
-                         num_train_steps=6, nonfinite="skip")
+    config = load_config(
+        data_dir=digits_data_dir,
+        learning_rate=1e30,
+        optimizer="sgd",
+        num_train_steps=6,
+        nonfinite="skip",
+    )
     result = train.train_and_evaluate(config, str(tmp_path), quiet=True)
     assert result["step"] == 6
     assert len(list((tmp_path / "nonfinite").iterdir())) >= 1

@@ -1,0 +1,371 @@
+"""Input pipeline: loader examples/s against what the train step consumes.
+
+Usage: .venv/bin/python benchmarks/loader.py [--trials 5] [--num_synthetic 10000] [--skip_train]
+
+For two datasets, the digits (8x8, ``configs/digits_cnn.py``: global batch 64)
+and an MNIST-shaped synthetic one (28x28 grayscale PNGs stored like tfds'
+``mnist``, ``configs/fashion_mnist_cnn.py``: global batch 512), it measures
+
+* the classify train step under ``repl.run`` on 8 fake CPU devices
+  (examples/s, with a fixed batch already on the devices);
+* ``data.make_train_iterator`` on one process: the first epoch, which reads
+  and decodes every example from array_record, and later epochs, served by
+  the ``CachedSource`` of ``load_data_source``;
+* the loader this one replaced (``grain.DataLoader`` with per-example
+  preprocessing), for reference.
+
+Every number is the median of ``--trials`` trials. Unless ``--skip_train``, it
+also runs ``make train``'s command (digits, 1 CPU device) and reads the time
+spent waiting for input from the run's summary record. Writes
+benchmarks/results/loader.json and the "Input pipeline" section of
+docs/benchmarks.md.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from etils import epath  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import experiments.datasets  # noqa: E402, F401  (registers "digits")
+from replicator import data, train  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "loader.json")
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
+COMMAND = ".venv/bin/python benchmarks/loader.py"
+TRAIN_COMMAND = ".venv/bin/python -m replicator train --config configs/digits_cnn.py"
+
+
+class Synthetic28(tfds.core.GeneratorBasedBuilder):
+    """MNIST-shaped stand-in: 28x28 grayscale PNG images and 10 labels, built offline."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = []
+    num_train = 10_000  # set by main() before building
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        return epath.Path(__file__)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        # The features of tfds' mnist: images stored as PNG, decoded by PIL on read.
+        features = tfds.features.FeaturesDict(
+            {
+                "image": tfds.features.Image(shape=(28, 28, 1)),
+                "label": tfds.features.ClassLabel(num_classes=10),
+            }
+        )
+        return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {
+            "train": self._generate_examples(self.num_train, seed=0),
+            "test": self._generate_examples(1_000, seed=1),
+        }
+
+    def _generate_examples(self, num_examples: int, seed: int):
+        rng = np.random.default_rng(seed)
+        for i in range(num_examples):
+            # Sparse strokes, like a digit: PNG sizes close to MNIST's.
+            pixels = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+            pixels[rng.random((28, 28)) > 0.2] = 0
+            png = io.BytesIO()
+            Image.fromarray(pixels).save(png, format="png")
+            # Bytes, not an array: tfds would encode an array with TensorFlow.
+            yield i, {"image": png.getvalue(), "label": i % 10}
+
+
+def load_config(name: str, **overrides) -> ml_collections.ConfigDict:
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.update(overrides)
+    return config
+
+
+def measure_step(run: train.Run, *, trials: int, steps: int) -> list[float]:
+    """Examples/s of the experiment's train step under repl.run, one fixed batch on device."""
+    config, repl = run.config, run.repl
+    state = repl.compile(run.init_state, out_shardings=repl.mirrored_sharding)()
+    train_fn = run.experiment.make_train_step(run.model, run.tx)
+    source = run.eval_source
+    indices = np.arange(config.batch_size) % len(source)
+    batch = repl.shard_batch(run.experiment.preprocess(data.read_batch(source, indices)))
+    for _ in range(2):  # compile, then one warm step
+        state, _ = repl.run(train_fn, state, batch, donate_argnums=(0,))
+    jax.block_until_ready(state)
+    rates = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, _ = repl.run(train_fn, state, batch, donate_argnums=(0,))
+        jax.block_until_ready(state)
+        rates.append(steps * config.batch_size / (time.perf_counter() - start))
+    return rates
+
+
+def time_batches(iterator, num_batches: int, batch_size: int) -> float:
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        next(iterator)
+    return num_batches * batch_size / (time.perf_counter() - start)
+
+
+def measure_loader(name: str, data_dir: str, *, batch_size: int, preprocess, trials: int):
+    """(first-epoch rates, cached rates): a fresh source each trial, so the first epoch decodes."""
+    first, cached = [], []
+    for seed in range(trials):
+        source = data.load_data_source(name, "train", data_dir=data_dir)
+        iterator = data.make_train_iterator(
+            source,
+            global_batch_size=batch_size,
+            preprocess=preprocess,
+            seed=seed,
+            process_index=0,
+            process_count=1,
+        )
+        epoch = -(-len(source) // batch_size)
+        first.append(time_batches(iterator, epoch, batch_size))
+        cached.append(time_batches(iterator, max(2 * epoch, 50), batch_size))
+    return first, cached
+
+
+class _PerExample(grain.transforms.Map):
+    def __init__(self, fn):
+        self._fn = fn
+
+    def map(self, element):
+        return self._fn(element)
+
+
+def measure_previous_loader(name, data_dir, *, batch_size, preprocess, trials, examples):
+    """The loader before this benchmark existed: grain.DataLoader, one example at a time."""
+    source = data.load_data_source(name, "train", data_dir=data_dir, max_cache_bytes=0)
+    rates = []
+    for seed in range(trials):
+        sampler = grain.samplers.IndexSampler(
+            num_records=len(source), shuffle=True, num_epochs=None, seed=seed
+        )
+        loader = grain.DataLoader(
+            data_source=source,
+            sampler=sampler,
+            operations=[_PerExample(preprocess), grain.transforms.Batch(batch_size)],
+            worker_count=0,
+        )
+        iterator = iter(loader)
+        next(iterator)
+        rates.append(time_batches(iterator, max(1, examples // batch_size), batch_size))
+    return rates
+
+
+def measure_input_wait(data_dir: str, workdir: str) -> dict:
+    """Runs make train's command (1 CPU device, as `make train` does); its summary record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [
+        sys.executable,
+        "-m",
+        "replicator",
+        "train",
+        "--config",
+        "configs/digits_cnn.py",
+        "--workdir",
+        workdir,
+        f"--config.data_dir={data_dir}",
+        "--quiet",
+    ]
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    (summary,) = [r for r in records if r.get("split") == "summary"]
+    wall = summary["wall_time_s"]
+    return {**wall, "input_fraction": wall["input"] / wall["total"]}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _ratio(ratio: float) -> str:
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def markdown(results: dict) -> str:
+    rows = [
+        "| dataset | global batch | train step, 8 CPU devices | loader, first epoch "
+        "| loader, cached | previous loader |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results["datasets"].items():
+        step = r["step_examples_per_s"]
+        loaders = [
+            f"{rate:,.0f} ({_ratio(rate / step)})"
+            for rate in (
+                r["loader_first_epoch_examples_per_s"],
+                r["loader_cached_examples_per_s"],
+                r["previous_loader_examples_per_s"],
+            )
+        ]
+        rows.append(
+            f"| {name} ({r['image_shape']}) | {r['batch_size']} | {step:,.0f} | "
+            + " | ".join(loaders)
+            + " |"
+        )
+    env = results["environment"]
+    lines = [
+        "## Input pipeline",
+        "",
+        "Examples per second (median of "
+        f"{results['trials']} trials) on {env['cpu_count']} CPU cores "
+        f"(load average {env['load_average']:.1f} at the start), jax {env['jax']}, "
+        f"grain {env['grain']}. The train step is the classify experiment's under "
+        "`repl.run` with a batch already on the devices; the loader is "
+        "`data.make_train_iterator` on one process, preprocessing included. Its first "
+        "epoch reads and decodes every example from array_record (28x28 images are "
+        "PNG-decoded by PIL); later epochs come from `CachedSource`. The previous "
+        "loader is the `grain.DataLoader` with per-example preprocessing that this "
+        "one replaced. Goal: the loader at >= 10x the step.",
+        "",
+        *rows,
+        "",
+        "The first epoch is bound by tfds decoding examples one at a time and runs once "
+        "per process and run (it also overlaps the first steps' compute); every later "
+        "epoch is a NumPy gather from the cache.",
+        "",
+    ]
+    wait = results.get("make_train")
+    if wait:
+        lines += [
+            f"`make train` (digits, 1 CPU device, `{TRAIN_COMMAND}`): "
+            f"{wait['input']:.2f} s of {wait['total']:.1f} s waiting for input "
+            f"({100 * wait['input_fraction']:.1f}%); compute {wait['compute']:.1f} s. "
+            "Goal: < 1%. With the previous loader (commit 4771938, same machine): "
+            "63 s of 93 s (68%).",
+            "",
+        ]
+    lines += [f"Reproduce: `{COMMAND}` (writes `benchmarks/results/loader.json`).", ""]
+    return "\n".join(lines)
+
+
+def update_docs(section: str, path: str = DOCS) -> None:
+    """Replaces this benchmark's section of docs/benchmarks.md, leaving the others alone."""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    else:
+        text = "# Benchmarks\n\nMeasurements of replicator; each section says how to rerun it.\n"
+    heading = "## Input pipeline"
+    section = section.rstrip("\n") + "\n"
+    if heading in text:
+        start = text.index(heading)
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + ("\n" + text[end + 1 :] if end != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def run_benchmarks(args: argparse.Namespace, *, data_dir: str) -> dict:
+    Synthetic28.num_train = args.num_synthetic
+    tfds.builder("synthetic28", data_dir=data_dir).download_and_prepare(file_format="array_record")
+    setups = {
+        "digits": load_config("digits_cnn.py", data_dir=data_dir),
+        "synthetic28": load_config(
+            "fashion_mnist_cnn.py", dataset="synthetic28", data_dir=data_dir
+        ),
+    }
+    datasets = {}
+    for name, config in setups.items():
+        run = train.setup(config)
+        preprocess = run.experiment.preprocess
+        steps = 20 if config.batch_size <= 64 else 2
+        step = measure_step(run, trials=args.trials, steps=steps)
+        first, cached = measure_loader(
+            name, data_dir, batch_size=config.batch_size, preprocess=preprocess, trials=args.trials
+        )
+        previous = measure_previous_loader(
+            name,
+            data_dir,
+            batch_size=config.batch_size,
+            preprocess=preprocess,
+            trials=args.trials,
+            examples=1024,
+        )
+        source = data.load_data_source(name, "train", data_dir=data_dir)
+        datasets[name] = {
+            "image_shape": "x".join(map(str, source[0]["image"].shape)),
+            "num_train_examples": len(source),
+            "batch_size": config.batch_size,
+            "step_examples_per_s": median(step),
+            "loader_first_epoch_examples_per_s": median(first),
+            "loader_cached_examples_per_s": median(cached),
+            "previous_loader_examples_per_s": median(previous),
+            "trials": {"step": step, "first_epoch": first, "cached": cached, "previous": previous},
+        }
+        print(name, json.dumps({k: v for k, v in datasets[name].items() if k != "trials"}))
+
+    results = {
+        "trials": args.trials,
+        "environment": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "grain": importlib.metadata.version("grain"),
+            "devices": jax.device_count(),
+        },
+        "datasets": datasets,
+    }
+    if not args.skip_train:
+        workdir = os.path.join(data_dir, "train_run")
+        results["make_train"] = measure_input_wait(data_dir, workdir)
+        print("make train", json.dumps(results["make_train"]))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--num_synthetic", type=int, default=10_000)
+    parser.add_argument("--skip_train", action="store_true")
+    args = parser.parse_args()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    tfds.disable_progress_bar()
+    load_average = os.getloadavg()[0]
+
+    with tempfile.TemporaryDirectory(prefix="loader_bench_") as scratch:
+        results = run_benchmarks(args, data_dir=scratch)
+    results["environment"]["load_average"] = load_average
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(results, f, indent=2)
+    update_docs(markdown(results))
+    print(f"Wrote {RESULTS} and {DOCS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Launchers: the same command on several local processes, a Cloud TPU pod or SLURM.
+
+``python -m replicator launch local --processes 2 --devices-per-process 4 -- train ...``
+starts the processes on 127.0.0.1 with fake CPU devices and gloo collectives:
+the code path of a real pod, on one machine. ``launch tpu`` and ``launch slurm``
+run (or, with ``--dry-run``, print) the commands for real clusters; there JAX's
+own cluster detection gives each process its id and the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from replicator.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+
+def free_port_pair() -> int:
+    """A loopback port p with p + 1 also free (the coordinator and the roll call)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("No free pair of loopback ports found.")
+
+
+def launch_local(
+    command: Sequence[str],
+    *,
+    processes: int,
+    devices_per_process: int,
+    grace_s: float = 30.0,
+    python: str = sys.executable,
+) -> int:
+    """Runs ``python -m replicator COMMAND`` as ``processes`` local processes.
+
+    Each process gets ``devices_per_process`` fake CPU devices. Output lines are
+    prefixed with ``[i]``. SIGTERM and SIGINT are forwarded to every process. If
+    one process fails, the others are stopped (SIGTERM, then SIGKILL after
+    ``grace_s``) and the exit code is non-zero.
+
+    Returns:
+      0 if every process succeeded, else the first failure's exit code (or 1).
+    """
+    port = free_port_pair()
+    env = dict(os.environ)
+    env.update(
+        {
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(processes),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={devices_per_process}".strip(),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    procs = []
+    for i in range(processes):
+        proc = subprocess.Popen(
+            [python, "-m", "replicator", *command],
+            env={**env, ENV_PROCESS_ID: str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[{i}] "), daemon=True).start()
+        procs.append(proc)
+
+    def forward(signum, frame):
+        del frame
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _supervise(procs, grace_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, code = failed[0]
+            print(
+                f"launch: process {i} failed with exit code {code}; stopping the others.",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop(procs, grace_s)
+            return code if code > 0 else 1
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _prefix_lines(stream, prefix: str) -> None:
+    for line in stream:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+
+
+def tpu_commands(
+    command: Sequence[str],
+    *,
+    tpu: str,
+    zone: str,
+    project: str | None = None,
+    repo_dir: str = "~/replicator",
+) -> list[list[str]]:
+    """The gcloud commands that copy the repository to every TPU VM worker,
+    install it, and run ``python -m replicator COMMAND`` on all of them at once.
+
+    JAX finds the workers, their ids and the coordinator on the TPU VMs itself.
+    Use a ``gs://`` workdir so that every worker writes checkpoints to the same
+    place (Orbax writes to buckets through tensorstore).
+    """
+    base = ["gcloud", "compute", "tpus", "tpu-vm"]
+    where = ["--zone", zone, *(["--project", project] if project else [])]
+    remote = f"cd {repo_dir} && .venv/bin/python -m replicator {shlex.join(command)}"
+    setup = f"cd {repo_dir} && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
+    return [
+        [*base, "scp", "--recurse", "--worker=all", *where, ".", f"{tpu}:{repo_dir}"],
+        [*base, "ssh", tpu, "--worker=all", *where, "--command", setup],
+        [*base, "ssh", tpu, "--worker=all", *where, "--command", remote],
+    ]
+
+
+def slurm_script(
+    command: Sequence[str],
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    process_per_gpu: bool = True,
+    job_name: str = "replicator",
+    time_limit: str = "24:00:00",
+    python: str = ".venv/bin/python",
+) -> str:
+    """An sbatch script running ``python -m replicator COMMAND`` on ``nodes`` nodes.
+
+    One process per GPU by default (one per node with ``process_per_gpu=False``);
+    JAX reads the process ids, the count and the coordinator from SLURM's
+    variables. ``--signal`` asks SLURM for a SIGTERM two minutes before the time
+    limit, which replicator turns into a checkpoint.
+    """
+    tasks = gpus_per_node if process_per_gpu else 1
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={tasks}",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --time={time_limit}",
+        "#SBATCH --signal=TERM@120",
+        "#SBATCH --output=%x-%j.out",
+        "set -euo pipefail",
+        f"srun --kill-on-bad-exit=1 {python} -m replicator {shlex.join(command)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m replicator launch {local,tpu,slurm} [options] -- COMMAND...``."""
+    argv = list(argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m replicator launch")
+    sub = parser.add_subparsers(dest="where", required=True)
+    local = sub.add_parser("local", help="several processes on this machine (127.0.0.1)")
+    local.add_argument("--processes", type=int, required=True)
+    local.add_argument("--devices-per-process", type=int, default=1)
+    tpu = sub.add_parser("tpu", help="every worker of a Cloud TPU VM pod")
+    tpu.add_argument("--tpu", required=True)
+    tpu.add_argument("--zone", required=True)
+    tpu.add_argument("--project")
+    tpu.add_argument("--dry-run", action="store_true")
+    slurm = sub.add_parser("slurm", help="an sbatch job")
+    slurm.add_argument("--nodes", type=int, required=True)
+    slurm.add_argument("--gpus-per-node", type=int, required=True)
+    slurm.add_argument(
+        "--process-per-node",
+        action="store_true",
+        help="one process per node instead of one per GPU",
+    )
+    slurm.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(options)
+    if not command:
+        parser.error("give the replicator command after --, e.g. -- train --config FILE ...")
+    if args.where == "local":
+        return launch_local(
+            command, processes=args.processes, devices_per_process=args.devices_per_process
+        )
+    if args.where == "tpu":
+        commands = tpu_commands(command, tpu=args.tpu, zone=args.zone, project=args.project)
+        for cmd in commands:
+            print(shlex.join(cmd), flush=True)
+            if not args.dry_run:
+                subprocess.run(cmd, check=True)
+        return 0
+    script = slurm_script(
+        command,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        process_per_gpu=not args.process_per_node,
+    )
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    with open("replicator.sbatch", "w") as f:
+        f.write(script)
+    print("wrote replicator.sbatch", flush=True)
+    return subprocess.run(["sbatch", "replicator.sbatch"], check=False).returncode

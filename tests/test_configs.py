@@ -1,0 +1,94 @@
+"""Every config in configs/ trains end to end in its smoke mode.
+
+The offline ``digits`` config runs on its real data; configs of datasets that
+must be downloaded run on ``tfds.testing.mock_data``, which fakes their
+examples with the right shapes and dtypes.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+import time
+
+import ml_collections
+import pytest
+import tensorflow_datasets as tfds
+
+from replicator import config as config_lib
+from replicator import data, train
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_PATHS = sorted(CONFIG_DIR.glob("*.py"))
+NUM_MOCK_EXAMPLES = 24  # Not a multiple of the smoke batches: eval pads and masks.
+
+
+def load_config(path: pathlib.Path, mode: str = "") -> ml_collections.ConfigDict:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(mode)
+
+
+def read_records(workdir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_configs_exist():
+    names = {path.stem for path in CONFIG_PATHS}
+    assert {"digits_cnn", "mnist_cnn", "fashion_mnist_cnn", "cifar10_cnn"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_PATHS, ids=lambda path: path.stem)
+def test_config_is_valid_and_documented(path):
+    reference = load_config(CONFIG_DIR / "digits_cnn.py")
+    for mode in ("", "smoke"):
+        config = load_config(path, mode)
+        # The same keys as every other config: the trainer rejects unknown ones.
+        assert set(config.keys()) == set(reference.keys())
+        config_lib.validate(config)
+    smoke = load_config(path, "smoke")
+    assert smoke.num_train_steps <= 10 and smoke.batch_size <= 64
+    module_doc = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_doc)
+    module_doc.loader.exec_module(module)
+    assert f"python -m replicator train --config configs/{path.name}" in module.__doc__
+    assert "Expected:" in module.__doc__ and "minutes" in module.__doc__
+
+
+@pytest.mark.parametrize("path", CONFIG_PATHS, ids=lambda path: path.stem)
+def test_config_trains_two_steps(path, tmp_path, digits_data_dir):
+    config = load_config(path, "smoke")
+    config.num_train_steps = 2
+    workdir = tmp_path / "run"
+    if config.dataset == "digits":
+        config.data_dir = digits_data_dir
+        result = train.train_and_evaluate(config, str(workdir), quiet=True)
+        num_examples = 360
+    else:
+        config.data_dir = str(tmp_path / "tfds")  # Mocked: nothing is read from it.
+        with tfds.testing.mock_data(num_examples=NUM_MOCK_EXAMPLES):
+            result = train.train_and_evaluate(config, str(workdir), quiet=True)
+        num_examples = NUM_MOCK_EXAMPLES
+    assert result["step"] == 2 and result["num_examples"] == num_examples
+    # Accuracy over exactly num_examples predictions: a whole number of hits.
+    hits = result["accuracy"] * num_examples
+    assert 0 <= hits <= num_examples and hits == pytest.approx(round(hits), abs=1e-6)
+    assert math.isfinite(result["loss"])
+    records = read_records(workdir)
+    assert [r["step"] for r in records if "split" not in r] == [2]
+    assert (workdir / "checkpoints" / "2").exists()
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in CONFIG_PATHS if p.stem != "digits_cnn"], ids=lambda path: path.stem
+)
+def test_config_of_a_dataset_that_is_not_prepared_fails_fast(path, tmp_path):
+    config = load_config(path, "smoke")
+    config.data_dir = str(tmp_path / "tfds")
+    start = time.monotonic()
+    with pytest.raises(data.DatasetNotPreparedError) as error:
+        train.train_and_evaluate(config, str(tmp_path / "run"), quiet=True)
+    assert time.monotonic() - start < 10, "must not try to download"
+    assert f"tfds build {config.dataset} " in str(error.value)
+    assert not (tmp_path / "run").exists()
