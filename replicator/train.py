@@ -112,9 +112,16 @@ def train_and_evaluate(
     Raises:
       Preempted: after saving, when a SIGTERM or SIGINT arrived.
     """
+    preemption = PreemptionWatcher()  # before anything slow, so no signal is missed
+    try:
+        return _train_and_evaluate(config, workdir, preemption, quiet, devices, strict)
+    finally:
+        preemption.close()
+
+
+def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> dict[str, Any]:
     # ---- Set up: everything that can fail on bad input fails before the workdir is touched.
     watch = Stopwatch()
-    preemption = PreemptionWatcher()  # before anything slow, so no signal is missed
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
     train_source = data.load_data_source(
@@ -232,7 +239,6 @@ def train_and_evaluate(
         if start_step == config.num_train_steps:
             eval_result = evaluate_now(step)  # already trained: just report
     finally:
-        preemption.close()
         batches.close()
         progress.close()
         checkpoints.close()
