@@ -28,6 +28,9 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check replicator experiments configs tests benchmarks
 	$(BIN)/ruff format --check replicator experiments configs tests benchmarks

@@ -41,6 +41,12 @@ _FOLLOW_TIMEOUT = flags.DEFINE_float(
 _INIT_TIMEOUT = flags.DEFINE_float(
     "init_timeout", 300.0, "Multi-process runs: seconds to wait for every process to arrive."
 )
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    os.path.expanduser("~/.cache/replicator/jax"),
+    "JAX's persistent compilation cache ('' to disable): a second run of the same "
+    "config starts in a fraction of the compile time.",
+)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     None,
@@ -61,6 +67,9 @@ def main(argv: list[str]) -> None:
 
     if _CPU_DEVICES.value:
         jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    if _COMPILE_CACHE.value:
+        jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from replicator.mesh import detect_process_group, initialize_distributed
 
     initialize_distributed(detect_process_group(), timeout_s=_INIT_TIMEOUT.value)

@@ -28,7 +28,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import optim
+from replicator import cpu, optim
 from replicator.context import ReplicaContext, get_replica_context, replica_context
 from replicator.mesh import DATA_AXES, build_mesh
 from replicator.precision import Policy, get_policy
@@ -55,6 +55,10 @@ class Replicator:
         `run` or a compiled step returns. Dispatch stays asynchronous, but the
         host never runs far ahead of the devices (on XLA:CPU an unbounded queue of
         sharded steps has deadlocked the all-reduce rendezvous).
+      cpu_defaults: on a CPU mesh, apply `replicator.cpu`'s faster lowering of
+        max pooling (process-wide, bitwise-identical results) and compile
+        convolutions with Eigen instead of YNNPACK. About 3x faster training of
+        the tutorial CNN on CPU; False keeps JAX's defaults.
 
     Example::
 
@@ -72,6 +76,7 @@ class Replicator:
         precision: str | Policy | None = None,
         *,
         max_steps_in_flight: int = 2,
+        cpu_defaults: bool = True,
     ):
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}.")
@@ -82,6 +87,10 @@ class Replicator:
         self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXES))
         self.mirrored_sharding = NamedSharding(self.mesh, P())
         self._in_flight = _StepsInFlight(max_steps_in_flight)
+        devices = list(self.mesh.devices.flat)
+        self._compiler_options = cpu.compiler_options(devices) if cpu_defaults else None
+        if self._compiler_options:
+            cpu.install_max_pool_lowering()
         self._run_cache: dict[Any, Callable] = {}
 
     def __repr__(self) -> str:
@@ -163,7 +172,8 @@ class Replicator:
 
         def place(x):
             if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-                return jax.device_put(x, self.mirrored_sharding)
+                # Always a copy: donating the result must not delete the caller's array.
+                return jax.device_put(x, self.mirrored_sharding, may_alias=False)
             return jax.make_array_from_process_local_data(self.mirrored_sharding, np.asarray(x))
 
         return jax.tree.map(place, tree)
@@ -202,7 +212,11 @@ class Replicator:
         step = self._run_cache.get(key)
         if step is None:
             leaf_donate = _leaf_positions(args, donate)
-            step = jax.jit(self._per_replica(fn, treedef, in_specs), donate_argnums=leaf_donate)
+            step = jax.jit(
+                self._per_replica(fn, treedef, in_specs),
+                donate_argnums=leaf_donate,
+                compiler_options=self._compiler_options,
+            )
             self._run_cache[key] = step
         return self._in_flight.dispatch(step, *flat)
 
@@ -326,6 +340,7 @@ class Replicator:
             in_shardings=in_shardings,
             out_shardings=out_shardings,
             static_argnums=static_argnums,
+            compiler_options=self._compiler_options,
         )
 
         def step(*args, **kwargs):

@@ -1,0 +1,118 @@
+"""Fast defaults for CPU hosts, measured in docs/benchmarks.md; the model code is unchanged.
+
+* `install_max_pool_lowering`: a max pool whose windows do not overlap (window
+  == stride, no padding, e.g. ``nn.max_pool(x, (2, 2), strides=(2, 2))``) is
+  lowered to strided slices and an elementwise max, and its gradient
+  (``select_and_scatter_add``) to "send the cotangent to the first maximum of
+  each window", XLA's own tie-breaking, so results are bitwise the same. XLA:CPU
+  expands select-and-scatter into four full-size iotas, a variadic
+  reduce-window and a scatter, which took 40-50% of the tutorial CNN's step.
+  Registered for the CPU platform only; other windows keep JAX's lowering.
+* `COMPILER_OPTIONS`: this jaxlib sends convolutions to YNNPACK, 1.6-3.6x slower
+  than Eigen on small-channel convolutions; keep YNNPACK for dots only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import mlir
+
+COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def compiler_options(devices) -> dict[str, str] | None:
+    """`jax.jit` compiler options for a computation on ``devices`` (CPU: `COMPILER_OPTIONS`)."""
+    return dict(COMPILER_OPTIONS) if all(d.platform == "cpu" for d in devices) else None
+
+
+def _non_overlapping(window_dimensions, window_strides, padding, *dilations) -> bool:
+    return (
+        tuple(window_dimensions) == tuple(window_strides)
+        and all(tuple(p) == (0, 0) for p in padding)
+        and all(d == 1 for dil in dilations for d in dil)
+    )
+
+
+def _window_slices(operand, window, out_shape):
+    """The operand's elements at each offset of the window, one array per offset."""
+    return [
+        operand[tuple(slice(o, o + n * w, w) for o, n, w in zip(offset, out_shape, window))]
+        for offset in itertools.product(*(range(w) for w in window))
+    ]
+
+
+def _max_pool(operand, *, window_dimensions):
+    window = tuple(window_dimensions)
+    out_shape = tuple((d - w) // w + 1 for d, w in zip(operand.shape, window))
+    return functools.reduce(jnp.maximum, _window_slices(operand, window, out_shape))
+
+
+def _max_pool_grad(source, operand, *, window_dimensions):
+    window, out_shape = tuple(window_dimensions), source.shape
+    parts = _window_slices(operand, window, out_shape)
+    best = functools.reduce(jnp.maximum, parts)
+    zero = jnp.zeros((), source.dtype)
+    taken, routed = None, []
+    for part in parts:  # window offsets in row-major order: the first maximum wins
+        hit = part == best
+        routed.append(jnp.where(hit if taken is None else hit & ~taken, source, zero))
+        taken = hit if taken is None else taken | hit
+    rank = len(out_shape)
+    grad = jnp.stack(routed, axis=-1).reshape(out_shape + window)
+    interleave = [a for i in range(rank) for a in (i, rank + i)]
+    grad = grad.transpose(interleave).reshape([n * w for n, w in zip(out_shape, window)])
+    tail = [(0, d - n * w, 0) for d, n, w in zip(operand.shape, out_shape, window)]
+    return lax.pad(grad, zero, tail) if any(hi for _, hi, _ in tail) else grad
+
+
+def _lowering_rule(prim, platform: str):
+    # JAX keeps registered lowerings in private tables (pinned jax version).
+    from jax._src.interpreters import mlir as mlir_internal
+
+    entry = mlir_internal._platform_specific_lowerings[platform].get(prim)
+    return (entry or mlir_internal._lowerings[prim]).rule
+
+
+def _reduce_window_max_lowering(default_rule, ctx, operand, **params):
+    window = params["window_dimensions"]
+    dilations = (params["base_dilation"], params["window_dilation"])
+    if _non_overlapping(window, params["window_strides"], params["padding"], *dilations):
+        pool = functools.partial(_max_pool, window_dimensions=window)
+        return mlir.lower_fun(pool, multiple_results=False)(ctx, operand)
+    return default_rule(ctx, operand, **params)
+
+
+def _select_and_scatter_add_lowering(default_rule, ctx, source, operand, **params):
+    if params["select_prim"] is lax.ge_p and _non_overlapping(
+        params["window_dimensions"], params["window_strides"], params["padding"]
+    ):
+        grad = functools.partial(_max_pool_grad, window_dimensions=params["window_dimensions"])
+        return mlir.lower_fun(grad, multiple_results=False)(ctx, source, operand)
+    return default_rule(ctx, source, operand, **params)
+
+
+_installed = False
+
+
+def install_max_pool_lowering() -> None:
+    """Registers the CPU lowerings of max pool and its gradient described above.
+
+    Process-wide; applies to every computation lowered afterwards. Other
+    reduce-window / select-and-scatter uses keep JAX's own lowering.
+    """
+    global _installed
+    if _installed:
+        return
+    from jax._src.lax import windowed_reductions as wr
+
+    for prim, rule in (
+        (wr.reduce_window_max_p, _reduce_window_max_lowering),
+        (wr.select_and_scatter_add_p, _select_and_scatter_add_lowering),
+    ):
+        default_rule = _lowering_rule(prim, "cpu")
+        mlir.register_lowering(prim, functools.partial(rule, default_rule), platform="cpu")
+    _installed = True
