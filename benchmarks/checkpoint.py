@@ -148,3 +148,37 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def render(result: dict) -> str:
+    """The ``## Checkpoints`` section of docs/benchmarks.md."""
+    s = result["summary"]
+    a, r = s["async_over_sync_blocking"], s["restore_over_bare_orbax"]
+    return "\n".join(
+        [
+            "## Checkpoints",
+            "",
+            f"A replicated state of {s['state_mb']} MB on {s['devices']} fake CPU devices, "
+            f"{s['trials']} trials, orders alternating; ratios per trial, median [min-max]. "
+            "Command: `.venv/bin/python benchmarks/checkpoint.py`.",
+            "",
+            "| measure | replicator | reference | ratio | goal |",
+            "|---|---|---|---|---|",
+            f"| time `save` blocks the loop, async vs sync | "
+            f"{1e3 * s['median_async_blocking_s']:.0f} ms | "
+            f"{1e3 * s['median_sync_blocking_s']:.0f} ms | "
+            f"{a['median']:.3f} [{a['min']:.3f}-{a['max']:.3f}] | < 0.10 |",
+            f"| restore vs a bare Orbax `PyTreeCheckpointer` restore | "
+            f"{1e3 * s['median_restore_s']:.0f} ms | "
+            f"{1e3 * s['median_bare_orbax_restore_s']:.0f} ms | "
+            f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}] | <= 1.2 |",
+            "",
+            "What an async save still blocks on is Orbax's own work: the device-to-host "
+            "copy of the state and starting its writer threads (profiled; replicator adds "
+            f"a wait for the previous save, which Orbax does anyway). Opening the manager "
+            f"(listing the steps) takes {1e3 * s['median_open_manager_s']:.0f} ms once per "
+            "process and is timed apart. With 256 MB the async/sync ratio was 0.075 in one "
+            "run: the copy grows slower than the write.",
+            "",
+        ]
+    )

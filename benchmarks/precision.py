@@ -102,3 +102,44 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def render(result: dict) -> str:
+    """The ``## Precision and gradient accumulation`` section of docs/benchmarks.md."""
+    mem, ms = result["temp_bytes"], result["median_step_ms"]
+    ratios = result["step_time_ratio_to_fp32"]
+    rows = [
+        f"| {k} | {int(v) / 2**20:.0f} MiB | {int(v) / int(mem['1']):.2f} |" for k, v in mem.items()
+    ]
+    times = [f"| fp32 | {ms['fp32']:.0f} | 1 |"] + [
+        f"| {p} | {ms[p]:.0f} | {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}] |"
+        for p, r in ratios.items()
+    ]
+    return "\n".join(
+        [
+            "## Precision and gradient accumulation",
+            "",
+            f"The tutorial CNN, 28x28x1, global batch {result['global_batch']}, Adam, "
+            f"{result['devices']} CPU device. Command: `.venv/bin/python benchmarks/precision.py`.",
+            "",
+            "XLA's temp allocation of the compiled train step at the same global batch "
+            "(deterministic; goal for k = 4: <= 0.4x):",
+            "",
+            "| grad_accum_steps | temp memory | vs k = 1 |",
+            "|---|---|---|",
+            *rows,
+            "",
+            f"Step time, fp32/bf16/fp16 interleaved, {result['trials']} trials, median "
+            "ratio to fp32 per trial [min-max]:",
+            "",
+            "| precision | ms/step | vs fp32 |",
+            "|---|---|---|",
+            *times,
+            "",
+            "This CPU has no fast bf16/fp16 matmul units: half precision only adds casts "
+            "here, and XLA:CPU's Eigen/YNNPACK kernels are tuned for f32, so it is slower; "
+            "it pays on TPUs and recent GPUs. Accuracy on `configs/digits_cnn.py`: bf16 and "
+            "fp16 within one point of fp32 (`make test-slow`, tests/test_slow.py).",
+            "",
+        ]
+    )

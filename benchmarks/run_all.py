@@ -52,8 +52,10 @@ def run_script(name: str, args: list[str]) -> float:
 
 def sections() -> dict[str, str]:
     """Our rendered sections, keyed by their ``## `` heading line."""
+    import checkpoint
     import compile as compile_bench
     import efficiency
+    import precision
     import scaling
     import throughput
 
@@ -62,6 +64,8 @@ def sections() -> dict[str, str]:
         "throughput": throughput,
         "scaling": scaling,
         "compile": compile_bench,
+        "checkpoint": checkpoint,
+        "precision": precision,
     }
     out = {}
     for name, module in modules.items():

@@ -18,7 +18,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-COMMANDS = ("train", "eval")
+COMMANDS = ("train", "eval", "plot")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -56,9 +56,19 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 
 def main(argv: list[str]) -> None:
+    if len(argv) >= 2 and argv[1] == "plot":
+        from replicator.metrics import plot_metrics
+
+        workdir = argv[2] if len(argv) == 3 else _WORKDIR.value
+        if workdir is None:
+            raise app.UsageError("usage: python -m replicator plot WORKDIR")
+        for path in plot_metrics(workdir):
+            print(path)
+        return
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(
-            f"usage: python -m replicator {{{','.join(COMMANDS)}}} --config FILE --workdir DIR"
+            "usage: python -m replicator {train,eval} --config FILE --workdir DIR | "
+            "plot WORKDIR | launch ..."
         )
     for flag in (_CONFIG, _WORKDIR):
         if flag.value is None:

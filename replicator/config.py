@@ -44,6 +44,7 @@ SCHEMA: dict[str, tuple[tuple, Any]] = {
     "log_every_steps": ((int,), 10),
     "eval_every_steps": ((int,), _REQUIRED),
     "checkpoint_every_steps": ((int,), _REQUIRED),
+    "profile_steps": ((str, None), None),  # "START,END": a JAX profiler trace of those steps
     "keep_checkpoints": ((int,), 3),  # the latest N
     "keep_best_checkpoints": ((int,), 0),  # plus the best N by best_metric
     "best_metric": ((str,), "accuracy"),
@@ -143,6 +144,15 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
     for key, choices in CHOICES.items():
         if values[key] not in choices:
             problems.append(f"{key!r}={values[key]!r} is not one of {list(choices)}")
+    if values["profile_steps"] is not None:
+        try:
+            start, end = (int(x) for x in values["profile_steps"].split(","))
+            assert 1 <= start <= end
+        except (ValueError, AssertionError):
+            problems.append(
+                f"'profile_steps'={values['profile_steps']!r} must be 'START,END' with "
+                "1 <= START <= END"
+            )
     if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:
         problems.append(f"'experiment'={values['experiment']!r} cannot be imported")
     return problems

@@ -172,3 +172,53 @@ class _Phase:
     def __exit__(self, *exc):
         totals = self._watch.totals
         totals[self._phase] = totals.get(self._phase, 0.0) + time.perf_counter() - self._t0
+
+
+def plot_metrics(workdir: str) -> list[str]:
+    """Writes PNG plots of loss, accuracy and throughput from ``WORKDIR/metrics.jsonl``.
+
+    Args:
+      workdir: a run's directory.
+
+    Returns:
+      The paths of the PNG files written into ``WORKDIR/plots/``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = [r for r in records if "split" not in r]
+    evals = {}
+    for r in records:
+        if r.get("split") not in (None, "summary"):
+            evals.setdefault(r["split"], []).append(r)
+    os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+    paths = []
+    for key, label in (
+        ("loss", "loss"),
+        ("accuracy", "accuracy"),
+        ("examples_per_sec", "examples / s"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(
+            [r["step"] for r in train if key in r],
+            [r[key] for r in train if key in r],
+            label="train",
+        )
+        for split, rs in evals.items():
+            points = [(r["step"], r[key]) for r in rs if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=split)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(workdir, "plots", f"{key}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

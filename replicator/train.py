@@ -206,6 +206,7 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
     # waits for the device just to log.
     logger = _TrainLogger(writer, progress, start_step, config.batch_size)
     guard = _NonfiniteGuard(workdir, config.nonfinite, repl.precision.loss_scaling)
+    profiler = _Profiler(os.path.join(workdir, "profile"), config.profile_steps)
     step = start_step
     try:
         while step < config.num_train_steps:
@@ -213,8 +214,10 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
             with watch.time("input"):
                 position = batches.get_state()  # where this batch starts, for replay
                 batch = next(batches)
+            profiler.before(step)
             with watch.time("compile" if step == start_step + 1 else "compute"):
                 state, metrics, status = train_step(state, batch)
+            profiler.after(step, metrics)
             checkpoints.check_for_errors()  # a failed async save surfaces here, not later
             last = step == config.num_train_steps
             progress.update(step)
@@ -242,10 +245,18 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
         batches.close()
         progress.close()
         checkpoints.close()
+        profiler.stop()
         summary = {k: round(v, 3) for k, v in watch.totals.items()} | {
             "total": round(watch.elapsed(), 3)
         }
-        writer.write(step, {"wall_time_s": summary}, split="summary")
+        steps_run = step - start_step
+        record = {"wall_time_s": summary, "steps": steps_run}
+        if steps_run:
+            record["examples_per_sec"] = steps_run * config.batch_size / summary["total"]
+            # Goodput: the share of wall time spent in training steps proper.
+            record["goodput"] = watch.totals.get("compute", 0.0) / summary["total"]
+        writer.write(step, record, split="summary")
+        log.info("wall time: %s", ", ".join(f"{k} {v:.1f} s" for k, v in summary.items()))
         writer.close()
     return eval_result
 
@@ -506,6 +517,32 @@ class _NonfiniteGuard:
                 "skip such steps instead."
             )
         log.warning("step %d: non-finite gradients; update skipped (batch in %s).", step, path)
+
+
+class _Profiler:
+    """Captures a JAX profiler trace of steps START..END (config ``profile_steps``),
+    viewable in TensorBoard's profile plugin or Perfetto."""
+
+    def __init__(self, directory: str, steps: str | None):
+        self._dir = directory
+        self._range = tuple(int(x) for x in steps.split(",")) if steps else None
+        self._active = False
+
+    def before(self, step: int) -> None:
+        if self._range and step == self._range[0] and jax.process_index() == 0:
+            jax.profiler.start_trace(self._dir)
+            self._active = True
+
+    def after(self, step: int, outputs: Any) -> None:
+        if self._active and step >= self._range[1]:
+            jax.block_until_ready(outputs)  # the traced steps, finished
+            self.stop()
+
+    def stop(self) -> None:
+        if self._active:
+            jax.profiler.stop_trace()
+            self._active = False
+            log.info("Profiler trace of steps %s-%s in %s", *self._range, self._dir)
 
 
 class _TrainLogger:

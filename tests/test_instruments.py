@@ -1,0 +1,87 @@
+"""The run's instruments: TensorBoard events, plots, profiles, and the hot loop's hygiene."""
+
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tensorboardX.proto import event_pb2
+
+import replicator as rp
+from replicator import train
+from replicator.metrics import plot_metrics
+from tests.test_replicator import init_params, make_batches, make_train_step
+from tests.test_train import load_config
+
+
+def read_events(directory):
+    """Scalars from TFRecord event files, parsed by hand (length, crc, data, crc)."""
+    scalars = {}
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            while header := f.read(12):
+                (length,) = struct.unpack("<Q", header[:8])
+                event = event_pb2.Event.FromString(f.read(length))
+                f.read(4)
+                for value in event.summary.value:
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory, digits_data_dir):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = load_config(
+        data_dir=digits_data_dir,
+        num_train_steps=6,
+        log_every_steps=2,
+        eval_every_steps=3,
+        profile_steps="2,3",
+    )
+    train.train_and_evaluate(config, workdir, quiet=True)
+    return workdir
+
+
+def test_tensorboard_events_are_readable(profiled_run):
+    scalars = read_events(os.path.join(profiled_run, "tensorboard"))
+    assert [step for step, _ in scalars["train/loss"]] == [2, 4, 6]
+    assert [step for step, _ in scalars["test/accuracy"]] == [3, 6]
+    assert all(np.isfinite(v) for _, v in scalars["train/loss"])
+
+
+def test_plot_writes_pngs(profiled_run):
+    paths = plot_metrics(profiled_run)
+    assert [os.path.basename(p) for p in paths] == [
+        "loss.png",
+        "accuracy.png",
+        "examples_per_sec.png",
+    ]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_directory_appears(profiled_run):
+    traces = [f for _, _, files in os.walk(os.path.join(profiled_run, "profile")) for f in files]
+    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
+
+
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_no_implicit_transfers_in_the_hot_loop(path):
+    repl = rp.Replicator()
+    tx = repl.wrap_optimizer(optax.adam(0.01))
+    state = repl.replicate((init_params(), tx.init(init_params())))
+    batches = [repl.shard_batch(b) for b in make_batches(3)]  # explicit placement, outside
+    step = make_train_step(tx)
+    compiled = repl.compile(step, donate_argnums=(0,))
+    with jax.transfer_guard("disallow"):
+        for batch in batches:
+            if path == "run":
+                state, loss = repl.run(step, state, batch, donate_argnums=(0,))
+            else:
+                state, loss = compiled(state, batch)
+        repl.wait()
+    assert jnp.isfinite(jax.device_get(loss)).all()
