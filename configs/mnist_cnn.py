@@ -18,47 +18,21 @@ Smoke mode for tests: ``--config configs/mnist_cnn.py:smoke`` (a few small
 steps; the test suite runs it on ``tfds.testing.mock_data``).
 """
 
-import ml_collections
-from ml_collections.config_dict import placeholder
+import importlib.util
+import pathlib
 
-_NUM_TRAIN_EXAMPLES = 60_000
-_NUM_EPOCHS = 10
+import ml_collections
+
+
+def _fashion_mnist_config(mode: str) -> ml_collections.ConfigDict:
+    path = pathlib.Path(__file__).with_name("fashion_mnist_cnn.py")
+    spec = importlib.util.spec_from_file_location("fashion_mnist_cnn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(mode)
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.classify"
-    c.model = dict(num_classes=10, conv_features=(32, 64), dense_features=64, padding="VALID")
+    c = _fashion_mnist_config(mode)  # the same recipe (one level of derivation)
     c.dataset = "mnist"
-    # Optional values are placeholders: None by default, overridable from the command line.
-    c.data_dir = placeholder(str)  # None: tfds default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-    c.train_split = "train"
-    c.eval_split = "test"
-
-    c.batch_size = 512  # global: 64 per replica x 8 replicas
-    c.eval_batch_size = 512
-    # References, not numbers: --config.batch_size=N keeps 10 epochs and per-epoch evals.
-    steps_per_epoch = _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
-    c.num_train_steps = _NUM_EPOCHS * _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
-    c.learning_rate = 1e-3
-    c.optimizer = "adam"
-    c.seed = 0
-    c.grad_accum_steps = 1
-
-    c.mesh = dict(data=-1)
-    c.precision = placeholder(str)  # None (fp32) or "bf16"
-    c.step_path = "run"
-
-    c.log_every_steps = 50
-    c.eval_every_steps = steps_per_epoch
-    c.checkpoint_every_steps = steps_per_epoch
-    c.keep_checkpoints = 3
-
-    if mode == "smoke":
-        c.batch_size = 16
-        c.eval_batch_size = 16
-        c.num_train_steps = 4
-        c.log_every_steps = 2
-        c.eval_every_steps = 2
-        c.checkpoint_every_steps = 2
     return c
