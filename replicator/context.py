@@ -38,13 +38,9 @@ def get_replica_context() -> ReplicaContext | None:
     return _CURRENT.get()
 
 
-@contextlib.contextmanager
-def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
-    token = _CURRENT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CURRENT.reset(token)
+def replica_context(ctx: ReplicaContext) -> contextlib.AbstractContextManager:
+    """While `Replicator.run` traces a function: `get_replica_context` returns ``ctx``."""
+    return _binding(_CURRENT, ctx)
 
 
 _MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("microbatches", default=1)
@@ -55,11 +51,15 @@ def num_microbatches() -> int:
     return _MICROBATCHES.get()
 
 
-@contextlib.contextmanager
-def microbatching(count: int) -> Iterator[int]:
+def microbatching(count: int) -> contextlib.AbstractContextManager:
     """While tracing one microbatch of ``count``: losses scale by the full batch."""
-    token = _MICROBATCHES.set(count)
+    return _binding(_MICROBATCHES, count)
+
+
+@contextlib.contextmanager
+def _binding(var: contextvars.ContextVar, value) -> Iterator:
+    token = var.set(value)
     try:
-        yield count
+        yield value
     finally:
-        _MICROBATCHES.reset(token)
+        var.reset(token)
