@@ -183,7 +183,9 @@ def replicator_step(model, tx) -> Callable:
 
 
 def replicator_candidate(model, host_batch, params, devices, path: str) -> Candidate:
-    repl = rp.Replicator(devices=devices)
+    # The benchmarks choose CPU settings themselves, the same for every candidate
+    # (XLA_FLAGS, cpu_defaults.py); the Replicator's own CPU defaults stay off.
+    repl = rp.Replicator(devices=devices, cpu_defaults=False)
     tx = repl.wrap_optimizer(optax.adam(1e-3))
     state = repl.replicate(TrainState.create(params, tx, jax.random.key(0)))
     batch = repl.shard_batch(host_batch)
