@@ -48,3 +48,13 @@ def test_replicator_methods_of_the_contract():
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": rp.losses.jnp})
     assert result.failed == 0
+
+
+def test_readme_quickstart_runs(capsys):
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    code = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert float(capsys.readouterr().out) < 1e-3  # the regression has been learned
