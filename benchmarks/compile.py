@@ -21,7 +21,6 @@ or cache load). Writes benchmarks/results/compile.json.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -203,19 +202,7 @@ def main() -> None:
         sys.path.insert(0, trials.REPO_DIR)
         print(json.dumps(child(json.loads(sys.argv[2]))))
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--devices", type=int, default=2)
-    args = parser.parse_args()
-    result = {
-        "command": trials.command(),
-        "machine": trials.machine(),
-        "rounds": args.rounds,
-        **measure(args.rounds, args.devices),
-    }
-    path = trials.write_result("compile", result)
-    print(render(result))
-    print(f"wrote {path}")
+    trials.run_main("compile", __doc__, measure, [render], {"rounds": 3, "devices": 2})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Writes benchmarks/results/efficiency.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import cnn_steps
@@ -223,20 +222,7 @@ def render(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=14)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    result = {
-        "command": trials.command(),
-        "machine": trials.machine(),
-        "rounds": args.rounds,
-        "steps": args.steps,
-        **measure(args.rounds, args.steps),
-    }
-    path = trials.write_result("efficiency", result)
-    print(render(result))
-    print(f"wrote {path}")
+    trials.run_main("efficiency", __doc__, measure, [render], {"rounds": 14, "steps": 3})
 
 
 if __name__ == "__main__":

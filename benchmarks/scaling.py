@@ -12,7 +12,6 @@ the same cores. Writes benchmarks/results/scaling.json and docs/scaling.png.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import cnn_steps
@@ -111,11 +110,10 @@ def render(result: dict) -> str:
             f"{trials.fmt_ratio(row['vs_stock'])} |"
         )
     lines += [
-        "| 2 processes x 4 devices | | TODO: needs multi-process launching "
-        "(`python -m replicator launch`); not measured yet | | | |",
+        "| 2 processes x 4 devices | | TODO: not measured yet (the launcher exists now: "
+        "`python -m replicator launch local`) | | | |",
         "",
-        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, shared "
-        f"(load average at start {result['machine']['load_average'][0]:.1f}).",
+        trials.machine_line(result),
         "",
         f"Command: `{result['command']}`",
         "",
@@ -124,21 +122,12 @@ def render(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    result = {
-        "command": trials.command(),
-        "machine": trials.machine(),
-        "rounds": args.rounds,
-        "steps": args.steps,
-        **measure(args.rounds, args.steps),
-    }
-    result["plot"] = os.path.relpath(plot(result), trials.REPO_DIR)
-    path = trials.write_result("scaling", result)
-    print(render(result))
-    print(f"wrote {path} and {result['plot']}")
+    def add_plot(result):
+        result["plot"] = os.path.relpath(plot(result), trials.REPO_DIR)
+
+    trials.run_main(
+        "scaling", __doc__, measure, [render], {"rounds": 8, "steps": 3}, finish=add_plot
+    )
 
 
 if __name__ == "__main__":

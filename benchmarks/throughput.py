@@ -21,7 +21,6 @@ Writes benchmarks/results/throughput.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import cnn_steps
@@ -231,8 +230,7 @@ def render(result: dict) -> str:
         "replicator's own jit picks it up). No row changes the model code except *reshape "
         "pool*, kept as a reference.",
         "",
-        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, shared "
-        f"(load average at start {result['machine']['load_average'][0]:.1f}).",
+        trials.machine_line(result),
         "",
         f"Command: `{result['command']}`",
         "",
@@ -324,21 +322,9 @@ def render_findings(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    result = {
-        "command": trials.command(),
-        "machine": trials.machine(),
-        "rounds": args.rounds,
-        "steps": args.steps,
-        **measure(args.rounds, args.steps),
-    }
-    path = trials.write_result("throughput", result)
-    print(render(result))
-    print(render_findings(result))
-    print(f"wrote {path}")
+    trials.run_main(
+        "throughput", __doc__, measure, [render, render_findings], {"rounds": 10, "steps": 3}
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Worker side: ``python benchmarks/trials.py MODULE FUNCTION SPEC_JSON`` imports
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -251,3 +252,39 @@ def fmt_ms(seconds: float) -> str:
 
 if __name__ == "__main__":
     _worker_main(sys.argv[1:])
+
+
+def run_main(
+    name: str,
+    description: str,
+    measure: Callable[..., dict[str, Any]],
+    renderers: Sequence[Callable[[dict[str, Any]], str]],
+    options: Mapping[str, int],
+    finish: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """The benchmarks' shared command line: ``--OPTION N`` flags, measure, save, print.
+
+    ``measure(**options)`` gives the numbers; the result adds the command and the
+    machine, ``finish`` may add more (e.g. a plot), and it is written to
+    ``results/NAME.json`` and printed through ``renderers``.
+    """
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    for option, default in options.items():
+        parser.add_argument(f"--{option}", type=int, default=default)
+    args = vars(parser.parse_args())
+    result = {"command": command(), "machine": machine(), **args, **measure(**args)}
+    if finish is not None:
+        finish(result)
+    path = write_result(name, result)
+    for render in renderers:
+        print(render(result))
+    print(f"wrote {path}")
+
+
+def machine_line(result: Mapping[str, Any]) -> str:
+    """ "Machine: CPU, N cores, load average at start L." for a rendered section."""
+    m = result["machine"]
+    return (
+        f"Machine: {m['cpu']}, {m['cores']} cores, shared (load average at start "
+        f"{m['load_average'][0]:.1f})."
+    )
