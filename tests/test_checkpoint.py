@@ -20,6 +20,7 @@ import replicator as rp
 from replicator import checkpoint as ckpt
 from replicator import train
 from replicator.state import TrainState
+from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 fake devices keep the subprocesses quick; 300 steps take a few seconds.
@@ -75,8 +76,7 @@ def final_params(workdir):
 
 
 def eval_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_records(workdir)
     return [r for r in records if r.get("split") == "test"], records
 
 

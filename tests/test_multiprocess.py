@@ -1,6 +1,5 @@
 """Multi-process runs on one machine: 2 processes x 4 devices behave like 1 x 8."""
 
-import json
 import os
 import re
 import signal
@@ -12,6 +11,7 @@ import pytest
 
 from replicator import launch
 from replicator.mesh import ProcessGroup, detect_process_group
+from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [
@@ -35,9 +35,16 @@ def run(cmd, env=None, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+def start_until_training(cmd, workdir):
+    """Starts ``cmd`` and returns once it has written its first metrics."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (workdir / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def test_two_processes_train_like_one(tmp_path, digits_data_dir, one_by_eight):
     assert done.returncode == 0, done.stdout[-3000:]
     assert "[0] Final test accuracy after 30 steps" in done.stdout
     assert "[1] Final test accuracy" not in done.stdout  # only process 0 reports
-    ours, reference = records(workdir), records(one_by_eight)
+    ours, reference = read_records(workdir), read_records(one_by_eight)
     train_losses = [(r["step"], r["loss"]) for r in ours if "split" not in r]
     expected = [(r["step"], r["loss"]) for r in reference if "split" not in r]
     assert [s for s, _ in train_losses] == [s for s, _ in expected]
@@ -116,13 +123,7 @@ def test_a_dead_worker_stops_the_launch(tmp_path, digits_data_dir):
         str(tmp_path),
         f"--config.data_dir={digits_data_dir}",
     )
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    proc = start_until_training(cmd, tmp_path)
     workers = children_of(proc.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
@@ -243,13 +244,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_d
         f"--config.data_dir={digits_data_dir}",
     ]
     cmd = replicator_cmd("launch", "local", "--processes", "2", "--devices-per-process", "2", *args)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    proc = start_until_training(cmd, tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-3000:]
