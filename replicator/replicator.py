@@ -417,9 +417,6 @@ class _StepsInFlight:
         while self._pending:
             self._wait(self._pending.popleft())
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
 
 def _block(x: jax.Array) -> bool:
     """Waits for ``x``; False if it was deleted or donated meanwhile."""

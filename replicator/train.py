@@ -617,9 +617,3 @@ def _warn_config_changes(saved: dict, current: dict) -> None:
             "The config differs from the one saved with the checkpoint:\n  %s",
             "\n  ".join(changes),
         )
-
-
-def load_saved_config(workdir: str) -> dict[str, Any]:
-    """The resolved config a run wrote to ``WORKDIR/config.json``."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        return json.load(f)
