@@ -67,7 +67,9 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     except TypeError as e:
         raise ValueError(f"config.model does not fit {config.experiment}.make_model: {e}") from e
     tx = repl.wrap_optimizer(_make_optimizer(config.optimizer, config.learning_rate))
-    eval_source = data.load_data_source(config.dataset, config.eval_split, data_dir=config.data_dir)
+    eval_source = data.load_data_source(
+        config.dataset, config.eval_split, data_dir=config.data_dir, fill_in_background=True
+    )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     loss_scale = LossScale.create() if repl.precision.loss_scaling else None
     init = functools.partial(
@@ -124,8 +126,9 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
     watch = Stopwatch()
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
+    # Decoding the splits starts now, on threads, and overlaps compilation.
     train_source = data.load_data_source(
-        config.dataset, config.train_split, data_dir=config.data_dir
+        config.dataset, config.train_split, data_dir=config.data_dir, fill_in_background=True
     )
     eval_batch_size = _eval_batch_size(config, repl)
     _check_divisible("batch_size", config.batch_size, repl)
@@ -243,6 +246,9 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
             eval_result = evaluate_now(step)  # already trained: just report
     finally:
         batches.close()
+        for source in (train_source, run.eval_source):
+            if isinstance(source, data.CachedSource):
+                source.stop_filling()
         progress.close()
         checkpoints.close()
         profiler.stop()
