@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 PyTree = Any
 log = logging.getLogger("replicator")
@@ -93,7 +94,7 @@ class Checkpoints:
             self.directory,
             options=options,
             item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(),
+                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
                 "data": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler(),
             },
@@ -332,6 +333,26 @@ class Preempted(Exception):
         )
         self.step = step
         self.directory = directory
+
+
+def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's standard type handlers; in one process, arrays saved without replica slicing.
+
+    Orbax's "replica-parallel" saving splits a replicated array into one slice
+    per replica so that several hosts can write it. In one process every
+    replica is on this host, and the slicing only costs an eager slice per
+    array and replica: with 8 CPU devices, 2.7 s at the first save of the
+    digits CNN for a 0.4 MB state. Across processes Orbax's default stays.
+    """
+    handlers = [
+        (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
+    ]
+    if jax.process_count() == 1:
+        array = ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+        )
+        handlers = [(t, array if t is jax.Array else h) for t, h in handlers]
+    return ocp.type_handlers.create_type_handler_registry(*handlers)
 
 
 class PreemptionWatcher:
