@@ -202,9 +202,13 @@ def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300
 
     rendezvous.meet(group, timeout_s=timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    host, port = rendezvous.split_address(group.coordinator_address)
     jax.distributed.initialize(
         coordinator_address=group.coordinator_address,
         num_processes=group.num_processes,
         process_id=group.process_id,
         initialization_timeout=max(int(timeout_s), 1),
+        # A loopback coordinator (local runs) listens on loopback only, not on
+        # every interface as JAX's coordination service does by default.
+        coordinator_bind_address=f"{host}:{port}" if rendezvous.is_loopback(host) else None,
     )

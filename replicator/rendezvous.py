@@ -10,16 +10,31 @@ roll call travels over this socket; all training traffic goes through JAX.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 
 from replicator.mesh import ProcessGroup
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 hosts in brackets) as ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (then servers bind to it alone)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def rendezvous_address(group: ProcessGroup) -> tuple[str, int]:
     """The roll call's ``(host, port)``: the coordinator's host, its port + 1."""
-    host, _, port = group.coordinator_address.rpartition(":")
-    return host.strip("[]"), int(port) + 1
+    host, port = split_address(group.coordinator_address)
+    return host, port + 1
 
 
 def meet(group: ProcessGroup, *, timeout_s: float) -> None:
@@ -41,7 +56,8 @@ def meet(group: ProcessGroup, *, timeout_s: float) -> None:
 def _host(group: ProcessGroup, deadline: float, timeout_s: float) -> None:
     host, port = rendezvous_address(group)
     arrived: dict[int, socket.socket] = {}
-    with socket.create_server(("", port), reuse_port=False) as server:
+    bind = host if is_loopback(host) else ""  # a real cluster: every interface
+    with socket.create_server((bind, port), reuse_port=False) as server:
         server.settimeout(0.2)
         try:
             while len(arrived) < group.num_processes - 1 and time.monotonic() < deadline:
