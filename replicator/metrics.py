@@ -156,7 +156,11 @@ class Stopwatch:
         self._start = time.perf_counter()
 
     def time(self, phase: str) -> _Phase:
+        """A context manager that adds the time spent inside it to ``phase``."""
         return _Phase(self, phase)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] = self.totals.get(phase, 0.0) + seconds
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
@@ -170,8 +174,61 @@ class _Phase:
         self._t0 = time.perf_counter()
 
     def __exit__(self, *exc):
-        totals = self._watch.totals
-        totals[self._phase] = totals.get(self._phase, 0.0) + time.perf_counter() - self._t0
+        self._watch.add(self._phase, time.perf_counter() - self._t0)
+
+
+# Dense bf16 matmul peaks per chip, from the vendors' data sheets, by the start
+# of jax.Device.device_kind. MFU on an accelerator is measured against these.
+_PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "TPU7x": 2307e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,  # SXM; the PCIe card peaks at 756e12
+    "NVIDIA A100": 312e12,
+    "NVIDIA L4": 121e12,
+}
+
+
+def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None:
+    """The matmul peak of ``devices`` together, and where the number comes from.
+
+    Accelerators: the data-sheet dense bf16 peak of their chip times their
+    count. CPUs: an f32 matmul measured now on the first device (chains of
+    dependent 1024x1024 products, best of a few rounds, about 0.3 s), times
+    the number of processes, since fake CPU devices share one host's cores.
+
+    Returns:
+      ``(flops_per_second, source)``, or None for an accelerator not in the table.
+    """
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        processes = len({d.process_index for d in devices})
+        return processes * measure_matmul_flops(devices[0]), "measured f32 matmul"
+    for prefix, peak in _PEAK_FLOPS.items():
+        if kind.startswith(prefix):
+            return len(devices) * peak, f"{prefix} bf16 data sheet"
+    return None
+
+
+def measure_matmul_flops(device: jax.Device, n: int = 1024, rounds: int = 5) -> float:
+    """Best f32 matmul rate of ``device`` in FLOP/s, over ``rounds`` chains of 4 products."""
+    rng = np.random.default_rng(0)
+    a = jax.device_put(rng.standard_normal((n, n), np.float32), device)
+    b = jax.device_put(rng.standard_normal((n, n), np.float32) / np.sqrt(n), device)
+    chain = jax.jit(lambda a, b: jax.lax.fori_loop(0, 4, lambda i, c: c @ b, a))
+    chain(a, b).block_until_ready()  # compile
+    best = math.inf
+    for _ in range(rounds):
+        start = time.perf_counter()
+        chain(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 4 * 2 * n**3 / best
 
 
 def plot_metrics(workdir: str) -> list[str]:

@@ -174,6 +174,10 @@ class Replicator:
             if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
                 # Always a copy: donating the result must not delete the caller's array.
                 return jax.device_put(x, self.mirrored_sharding, may_alias=False)
+            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+                # Typed PRNG keys have no NumPy form: place their raw data, re-wrap.
+                data = place(jax.random.key_data(x))
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
             return jax.make_array_from_process_local_data(self.mirrored_sharding, np.asarray(x))
 
         return jax.tree.map(place, tree)
@@ -205,6 +209,23 @@ class Replicator:
         Returns:
           ``fn``'s outputs, as global arrays.
         """
+        step, flat = self._run_step(fn, args, donate_argnums)
+        return self._in_flight.dispatch(step, *flat)
+
+    def lower(
+        self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()
+    ) -> jax.stages.Lowered:
+        """The program that ``run(fn, *args)`` executes, lowered, as `jax.jit(...).lower`.
+
+        ``lower(...).compile()`` after a ``run`` with the same arguments reuses
+        the compiled program; its ``cost_analysis()`` gives XLA's FLOP count
+        per device, ``as_text()`` the HLO. Arguments only need the shapes and
+        shardings of real ones (donated arrays do).
+        """
+        step, flat = self._run_step(fn, args, donate_argnums)
+        return step.lower(*flat)
+
+    def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
         flat, treedef = jax.tree.flatten(args)
         in_specs = tuple(self._spec_of(x) for x in flat)
         donate = tuple(sorted(donate_argnums))
@@ -218,7 +239,7 @@ class Replicator:
                 compiler_options=self._compiler_options,
             )
             self._run_cache[key] = step
-        return self._in_flight.dispatch(step, *flat)
+        return step, flat
 
     def _spec_of(self, x: Any) -> P:
         sharding = getattr(x, "sharding", None)
@@ -261,6 +282,8 @@ class Replicator:
             out_specs = tuple(P(DATA_AXES) if v else P() for v in varying)
             return jax.tree.unflatten(found["tree"], shard_map(body, out_specs)(*flat))
 
+        # Named after the step in compile logs, profiles and HLO dumps: jit_run_<fn>.
+        run_all_replicas.__name__ = f"run_{getattr(fn, '__name__', 'step')}"
         return run_all_replicas
 
     def reduce(self, op: ReduceOp, value: PyTree) -> PyTree:
@@ -317,6 +340,7 @@ class Replicator:
         in_shardings: Any = None,
         out_shardings: Any = None,
         static_argnums: int | Sequence[int] = (),
+        compiler_options: dict[str, Any] | None = None,
     ) -> Callable:
         """Compiles ``fn`` for the global view: `jax.jit` over this mesh (pjit).
 
@@ -330,9 +354,11 @@ class Replicator:
           in_shardings: optional shardings for the inputs (default: as they come).
           out_shardings: optional shardings for the outputs (default: propagated).
           static_argnums: as for `jax.jit`.
+          compiler_options: XLA options, on top of replicator's CPU defaults.
 
         Returns:
-          A callable with ``fn``'s signature.
+          A callable with ``fn``'s signature. Its ``lower(*args)`` lowers the
+          program for those arguments, like `Replicator.lower` for `run`.
         """
         jitted = jax.jit(
             fn,
@@ -340,14 +366,18 @@ class Replicator:
             in_shardings=in_shardings,
             out_shardings=out_shardings,
             static_argnums=static_argnums,
-            compiler_options=self._compiler_options,
+            compiler_options={**(self._compiler_options or {}), **(compiler_options or {})} or None,
         )
 
         def step(*args, **kwargs):
             with jax.set_mesh(self.mesh):
                 return self._in_flight.dispatch(jitted, *args, **kwargs)
 
-        step.jitted = jitted
+        def lower(*args, **kwargs) -> jax.stages.Lowered:
+            with jax.set_mesh(self.mesh):
+                return jitted.lower(*args, **kwargs)
+
+        step.jitted, step.lower = jitted, lower
         return step
 
     def wait(self) -> None:

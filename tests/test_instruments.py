@@ -85,3 +85,31 @@ def test_no_implicit_transfers_in_the_hot_loop(path):
                 state, loss = compiled(state, batch)
         repl.wait()
     assert jnp.isfinite(jax.device_get(loss)).all()
+
+
+@pytest.mark.parametrize("step_path", ["run", "compile"])
+def test_train_step_compiles_once_across_a_run_with_evals(tmp_path, digits_data_dir, step_path):
+    compiles = []
+
+    def listen(event, seconds, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(fun_name)
+
+    config = load_config(
+        data_dir=digits_data_dir,
+        num_train_steps=8,
+        log_every_steps=2,
+        eval_every_steps=2,
+        checkpoint_every_steps=4,
+        step_path=step_path,
+    )
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        train.train_and_evaluate(config, str(tmp_path), quiet=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    prefix = "run_" if step_path == "run" else ""
+    # XLA compiled each step once, although 4 evals and 2 saves ran in between
+    # and the summary asked for the train step's cost analysis.
+    assert compiles.count(f"jit({prefix}train_with_status)") == 1, compiles
+    assert compiles.count(f"jit({prefix}eval_step)") == 1, compiles

@@ -255,3 +255,44 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_d
     assert done.returncode == 0, done.stdout[-3000:]
     assert f"Resumed from step {saved}" in done.stdout
     assert "Final test accuracy after 400 steps" in done.stdout
+
+
+_REPLICATE = """
+import jax, numpy as np
+import replicator as rp
+from replicator import mesh
+mesh.initialize_distributed(mesh.detect_process_group(), timeout_s=60)
+repl = rp.Replicator()
+tree = repl.replicate({"key": jax.random.key(3), "w": np.arange(4.0)})
+draw = repl.compile(lambda t: jax.random.normal(t["key"], (3,)) + t["w"].sum())(tree)
+print("RESULT", np.asarray(draw.addressable_data(0)).tolist())
+"""
+
+
+def test_replicate_places_typed_keys_across_processes():
+    port = launch.free_port_pair()
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        launch.ENV_COORDINATOR: f"127.0.0.1:{port}",
+        launch.ENV_NUM_PROCESSES: "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _REPLICATE],
+            cwd=ROOT,
+            env={**os.environ, **env, launch.ENV_PROCESS_ID: str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    import jax
+
+    want = (jax.random.normal(jax.random.key(3), (3,)) + 6.0).tolist()
+    for out in outputs:
+        (line,) = [x for x in out.splitlines() if x.startswith("RESULT")]
+        assert eval(line.removeprefix("RESULT")) == pytest.approx(want)

@@ -57,6 +57,12 @@ def test_train_writes_metrics_events_and_checkpoints(trained):
     assert evals[-1]["accuracy"] == result["accuracy"]
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-2:] == ["3", "6"]
     assert any(f.startswith("events") for f in os.listdir(os.path.join(workdir, "tensorboard")))
+    (summary,) = [r for r in records if r.get("split") == "summary"]
+    phases = summary["wall_time_s"]
+    assert {"setup", "compile", "compute", "input", "eval", "checkpoint"} <= set(phases)
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], 0.01)
+    assert summary["flops_per_step"] > 1e6  # the CNN's forward and backward on 64 digits
+    assert 0 < summary["mfu"] < 1 and summary["peak_source"] == "measured f32 matmul"
 
 
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
