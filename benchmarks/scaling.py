@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import cnn_steps
@@ -72,12 +73,14 @@ def build_pair(tuned: bool, process_id: int = 0, port: int = 0, parent: int = 0)
         text=True,
         bufsize=1,
     )
+    finishing = threading.Event()
+    threading.Thread(target=_watch, args=(follower, finishing), daemon=True).start()
     try:
         cand = _pair_candidate(tuned, 0, port)
     except BaseException:
         _kill(follower)
         _exit_now()  # JAX's shutdown barrier would wait minutes for process 1
-    atexit.register(_finish_pair, follower)
+    atexit.register(_finish_pair, follower, finishing)
 
     def run(k: int) -> Any:
         import jax
@@ -95,11 +98,8 @@ def build_pair(tuned: bool, process_id: int = 0, port: int = 0, parent: int = 0)
 def _pair_candidate(tuned: bool, process_id: int, port: int) -> trials.Candidate:
     """Joins the pair, then builds this process's share of the 8-device step."""
     import jax
-    import optax
 
-    import replicator as rp
     from replicator.mesh import ProcessGroup, initialize_distributed
-    from replicator.state import TrainState
 
     # Sets gloo CPU collectives; must come before anything starts JAX's backend.
     group = ProcessGroup(f"127.0.0.1:{port}", PAIR_PROCESSES, process_id, "explicit")
@@ -112,18 +112,9 @@ def _pair_candidate(tuned: bool, process_id: int, port: int) -> trials.Candidate
     rows = cnn_steps.GLOBAL_BATCH // PAIR_PROCESSES
     local = {k: v[process_id * rows : (process_id + 1) * rows] for k, v in host_batch.items()}
     params = jax.device_get(model.init(jax.random.key(0), host_batch["image"][:1])["params"])
-    # cnn_steps.replicator_candidate's compile path, except for placing the RNG key:
-    # Replicator.replicate cannot place a typed PRNG key over several processes
-    # (it goes through numpy), so the key travels as its raw data.
-    repl = rp.Replicator(devices=devices, cpu_defaults=False)
-    tx = repl.wrap_optimizer(optax.adam(1e-3))
-    state = TrainState.create(params, tx, jax.random.key(0))
-    state = repl.replicate(state.replace(rng=jax.random.key_data(state.rng)))
-    state = state.replace(rng=jax.random.wrap_key_data(state.rng))
-    batch = repl.shard_batch(local)
-    compiled = repl.compile(cnn_steps.replicator_step(model, tx), donate_argnums=(0,))
-    info = {"num_devices": len(devices), "processes": PAIR_PROCESSES, "rows_per_process": rows}
-    return trials.Candidate(cnn_steps._loop(lambda s: compiled(s, batch), [state]), info)
+    candidate = cnn_steps.replicator_candidate(model, local, params, devices, "replicator_compile")
+    candidate.info.update(processes=PAIR_PROCESSES, rows_per_process=rows)
+    return candidate
 
 
 def _follow(tuned: bool, process_id: int, port: int, parent: int) -> None:
@@ -144,10 +135,12 @@ def _follow(tuned: bool, process_id: int, port: int, parent: int) -> None:
 
 
 def _exit_now() -> None:
-    """Prints the error being handled and exits at once, skipping JAX's shutdown barrier."""
+    """Prints the error being handled, if any, and exits at once, skipping JAX's shutdown
+    barrier."""
     import traceback
 
-    traceback.print_exc()
+    if sys.exc_info()[0] is not None:
+        traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -174,10 +167,21 @@ def _read_answer(follower: subprocess.Popen) -> str | None:
     return None  # process 1 is gone
 
 
-def _finish_pair(follower: subprocess.Popen) -> None:
+def _watch(follower: subprocess.Popen, finishing: threading.Event) -> None:
+    """Process 0 exits as soon as process 1 dies, instead of waiting in a collective
+    until JAX's heartbeat timeout (about 100 s) aborts it."""
+    code = follower.wait()
+    if not finishing.is_set():
+        print(f"scaling: process 1 of the {PAIR} pair exited with {code}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _finish_pair(follower: subprocess.Popen, finishing: threading.Event) -> None:
     """At process 0's exit: lets process 1 leave, meets it at JAX's shutdown barrier."""
     import jax
 
+    finishing.set()
     if follower.poll() is None:
         follower.stdin.close()
         if _read_answer(follower) == "bye":
