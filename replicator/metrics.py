@@ -199,9 +199,10 @@ def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None
     """The matmul peak of ``devices`` together, and where the number comes from.
 
     Accelerators: the data-sheet dense bf16 peak of their chip times their
-    count. CPUs: an f32 matmul measured now on the first device (chains of
-    dependent 1024x1024 products, best of a few rounds, about 0.3 s), times
-    the number of processes, since fake CPU devices share one host's cores.
+    count. CPUs: an f32 matmul measured now on one of this process's devices
+    (chains of dependent 1024x1024 products, best of a few rounds, about
+    0.3 s), times the number of processes: a process's CPU devices share one
+    host's cores, and every host is taken to be like this one.
 
     Returns:
       ``(flops_per_second, source)``, or None for an accelerator not in the table.
@@ -209,7 +210,8 @@ def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
         processes = len({d.process_index for d in devices})
-        return processes * measure_matmul_flops(devices[0]), "measured f32 matmul"
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        return processes * measure_matmul_flops(local[0]), "measured f32 matmul"
     for prefix, peak in _PEAK_FLOPS.items():
         if kind.startswith(prefix):
             return len(devices) * peak, f"{prefix} bf16 data sheet"

@@ -279,7 +279,7 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
             record["examples_per_sec"] = steps_run * config.batch_size / summary["total"]
             # Goodput: the share of wall time spent in training steps proper.
             record["goodput"] = watch.totals.get("compute", 0.0) / summary["total"]
-        if steps_run > 1 and batch is not None:
+        if steps_run > 1 and batch is not None and writer.enabled:
             record |= _utilization(repl, train_step, state, batch, steps_run - 1, watch)
         writer.write(step, record, split="summary")
         log.info("wall time: %s", ", ".join(f"{k} {v:.1f} s" for k, v in summary.items()))
