@@ -48,6 +48,8 @@ def test_overlapping_windows_keep_jax_lowering():
 
 
 def test_replicator_on_cpu_compiles_convolutions_with_eigen():
-    repl = rp.Replicator()
-    assert repl._compiler_options == cpu.COMPILER_OPTIONS
+    one = rp.Replicator(devices=jax.devices()[:1])
+    assert one._compiler_options == cpu.COMPILER_OPTIONS
+    several = rp.Replicator()  # 8 devices in this process: also the scheduler option
+    assert several._compiler_options == cpu.COMPILER_OPTIONS | cpu.SEVERAL_DEVICES_OPTIONS
     assert rp.Replicator(cpu_defaults=False)._compiler_options is None
