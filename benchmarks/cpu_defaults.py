@@ -36,6 +36,15 @@ from replicator.cpu import COMPILER_OPTIONS, install_max_pool_lowering  # noqa: 
 # Convolutions on Eigen, dots on YNNPACK. Pass as jax.jit(..., compiler_options=...),
 # or as XLA_FLAGS="--xla_cpu_experimental_ynn_fusion_type=individual_dot".
 XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
+# With several devices in a process, replicator.cpu also picks the memory-optimized
+# scheduler (replicator.cpu.SEVERAL_DEVICES_OPTIONS).
+SEVERAL_DEVICES_XLA_FLAGS = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+
+
+def xla_flags(devices_per_process: int) -> str:
+    """Replicator's CPU compiler options for this many devices per process, as XLA_FLAGS."""
+    return XLA_FLAGS + (f" {SEVERAL_DEVICES_XLA_FLAGS}" if devices_per_process > 1 else "")
+
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4

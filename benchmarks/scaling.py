@@ -205,15 +205,20 @@ def _kill(proc: subprocess.Popen) -> None:
 # ------------------------------------------------------------------ coordinator
 
 
+def _tuned_flags(setting: str, devices_per_process: int) -> str:
+    return " " + cpu_defaults.xla_flags(devices_per_process) if setting == "tuned" else ""
+
+
 def measure(rounds: int, steps: int) -> dict:
     specs = []
     for setting in SETTINGS:
-        tuned_flags = " " + cpu_defaults.XLA_FLAGS if setting == "tuned" else ""
         spec = {"tuned": setting == "tuned"}
         for n in DEVICE_COUNTS:
-            flags = f"--xla_force_host_platform_device_count={n}" + tuned_flags
+            flags = f"--xla_force_host_platform_device_count={n}" + _tuned_flags(setting, n)
             specs.append((f"{setting}/{n}", "scaling", "build", spec, {"XLA_FLAGS": flags}))
-        flags = f"--xla_force_host_platform_device_count={PAIR_DEVICES}" + tuned_flags
+        flags = f"--xla_force_host_platform_device_count={PAIR_DEVICES}" + _tuned_flags(
+            setting, PAIR_DEVICES
+        )
         env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
         specs.append((f"{setting}/{PAIR}", "scaling", "build_pair", spec, env))
     workers = trials.start_workers(specs)

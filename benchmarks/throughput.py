@@ -80,10 +80,12 @@ def build(candidates: list[dict], malloc: bool = False, pool_lowering: bool = Fa
     return out
 
 
-def _devices_env(n: int, tuned: bool) -> dict[str, str]:
+def _devices_env(n: int, tuned: bool, scheduler: bool = False) -> dict[str, str]:
     flags = [f"--xla_force_host_platform_device_count={n}"]
     if tuned:
         flags.append(cpu_defaults.XLA_FLAGS)
+    if scheduler:
+        flags.append(cpu_defaults.SEVERAL_DEVICES_XLA_FLAGS)
     return {"XLA_FLAGS": " ".join(flags)}
 
 
@@ -120,11 +122,17 @@ def worker_specs() -> list[tuple]:
             jit("all three, 2 devices"),
             {"label": "replicator compile, all three, 2 devices", "path": "replicator_compile"},
         ]),
+        ("tuned2sched", _devices_env(2, True, scheduler=True), tuned, (), [
+            jit(TWO_SCHED),
+            {"label": OURS_SCHED, "path": "replicator_compile"},
+        ]),
         ("stock8", _devices_env(8, False), {}, (), [jit("jax defaults, 8 devices")]),
     ]  # fmt: skip
 
 
 ALL = "malloc/malloc + eigen conv + pool lowering"
+TWO_SCHED = "all three + memory-optimized scheduler, 2 devices"
+OURS_SCHED = "replicator compile, replicator's CPU defaults, 2 devices"
 # factor -> (the factor alone, every factor but this one); compared with stock / with ALL.
 FACTORS = {
     "pool lowering": ("pool/pool lowering", "malloc/malloc + eigen conv"),
@@ -180,6 +188,7 @@ def measure(rounds: int, steps: int) -> dict:
             results, one, "tuned1core/all three, 1 device, pinned to 1 core"
         ),
         "two_devices_vs_one_device": trials.ratio_stats(results, two, one),
+        "scheduler_2_devices": trials.ratio_stats(results, f"tuned2sched/{TWO_SCHED}", two),
     }
     return {
         "factors": factors,
@@ -250,8 +259,6 @@ def render_findings(result: dict) -> str:
     split = result["device_split"]
     ips = lambda label: f"{rows[label]['images_per_s']:,.0f}"
     mfu = lambda label: f"{100 * rows[label]['mfu']:.0f}%"
-    two = "all three, 2 devices"
-    ours = "replicator compile, all three, 2 devices"
     return "\n".join(
         [
             "## CPU speed: findings and proposed defaults",
@@ -291,10 +298,25 @@ def render_findings(result: dict) -> str:
             "of XLA:CPU's small ops and fusions run on one thread; one device per core "
             "runs the data-parallel halves side by side. More devices than cores is "
             "slower again (see Scaling).",
+            "5. **The order of the step's operations on several devices** ("
+            f"{split['scheduler_2_devices']['median']:.2f}x on 2 devices, "
+            f"[{split['scheduler_2_devices']['min']:.2f}-"
+            f"{split['scheduler_2_devices']['max']:.2f}]). XLA:CPU's default scheduler "
+            "puts the per-step metric all-reduce in the middle of the backward pass and "
+            "lets the devices' elementwise fusions and Eigen's convolutions contend for the "
+            "cores (the first layer's bias + relu + pool fusion took 5.4 ms instead of 1.4 "
+            "in a profile). `xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED` "
+            "orders it better, with bitwise identical results; on 1 device it is neutral to "
+            "slightly slower (0.9-1.0x). `benchmarks/conv_study.py` found this while "
+            "looking for a faster formulation of the convolutions: none of im2col, nine "
+            "shifted matmuls, `conv_general_dilated_patches` or NCHW beats Eigen's "
+            "convolutions in the whole step (0.4-0.9x); the second convolution already "
+            "runs at about the measured matmul rate.",
             "",
-            f"Together, with the model code unchanged: {ips(two)} images/s, "
-            f"{mfu(two)} MFU, {x(two)} the stock 1-device step; `Replicator.compile` "
-            f"with the same settings on 2 devices: {ips(ours)} images/s. The goal of 45% "
+            f"Together, with the model code unchanged: {ips(TWO_SCHED)} images/s, "
+            f"{mfu(TWO_SCHED)} MFU, {x(TWO_SCHED)} the stock 1-device step; "
+            f"`Replicator.compile` with replicator's CPU defaults on 2 devices: "
+            f"{ips(OURS_SCHED)} images/s, {mfu(OURS_SCHED)} MFU. The goal of 45% "
             "MFU is not reached: after these fixes the step is "
             "dominated by memory-bound work XLA:CPU does not fuse away (transposes of the "
             "activations that Eigen's weight-gradient convolutions need, "
@@ -310,6 +332,8 @@ def render_findings(result: dict) -> str:
             "- Eigen convolutions: adopted. On CPU meshes both `jax.jit` calls (`run`, "
             "`compile`) get `compiler_options={'xla_cpu_experimental_ynn_fusion_type': "
             "'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}`.",
+            "- Memory-optimized scheduler: adopted where a process holds several CPU "
+            "devices (`cpu.SEVERAL_DEVICES_OPTIONS`), not for a single device.",
             "- One device per core: not made the default. It pays at batch 256 (1.8x), but "
             "the offline default (digits, batch 64) trains slower on 2 devices than on 1 "
             "(12.8 s vs 10.4 s); use `--cpu_devices=N` where the per-device batch is large.",
