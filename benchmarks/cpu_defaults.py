@@ -1,7 +1,8 @@
 """The fast defaults for CPU hosts, switchable one by one for the benchmarks.
 
-The max-pool lowering and the compiler options now live in `replicator.cpu`
-(the Replicator applies them on CPU meshes); the malloc setting stays opt-in here.
+All of them now live in `replicator.cpu`, which the Replicator applies on CPU
+meshes (the malloc setting only where a process holds several devices); here
+they can be switched one by one.
 
 Each of the three changes leaves the user's model code alone; their gains are
 measured side by side in ``benchmarks/throughput.py``.
@@ -26,12 +27,13 @@ measured side by side in ``benchmarks/throughput.py``.
 
 from __future__ import annotations
 
-import ctypes
-import platform
-
 import jax
 
-from replicator.cpu import COMPILER_OPTIONS, install_max_pool_lowering  # noqa: F401
+from replicator.cpu import (  # noqa: F401
+    COMPILER_OPTIONS,
+    install_max_pool_lowering,
+    keep_freed_memory,
+)
 
 # Convolutions on Eigen, dots on YNNPACK. Pass as jax.jit(..., compiler_options=...),
 # or as XLA_FLAGS="--xla_cpu_experimental_ynn_fusion_type=individual_dot".
@@ -44,24 +46,6 @@ SEVERAL_DEVICES_XLA_FLAGS = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_
 def xla_flags(devices_per_process: int) -> str:
     """Replicator's CPU compiler options for this many devices per process, as XLA_FLAGS."""
     return XLA_FLAGS + (f" {SEVERAL_DEVICES_XLA_FLAGS}" if devices_per_process > 1 else "")
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-
-
-def keep_freed_memory() -> bool:
-    """Makes glibc malloc keep freed memory for reuse instead of unmapping it.
-
-    Process-wide, takes effect for later allocations, can be called at any time.
-    The cost: the process keeps its peak heap (it does not shrink after a big
-    step). Returns False where the C library is not glibc.
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    ok = libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    return bool(ok)
 
 
 def apply_process_defaults() -> dict[str, bool]:

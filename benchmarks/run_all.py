@@ -110,9 +110,10 @@ def update_docs() -> None:
     if not doc.startswith("# "):
         doc = PREAMBLE + "\n" + doc
     # Other scripts edit this file too: write a whole new file and rename it into place.
+    text = splice(doc, sections())  # renders first: a failure leaves no file behind
     tmp = f"{DOC}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        f.write(splice(doc, sections()))
+        f.write(text)
     os.replace(tmp, DOC)
     print(f"updated {os.path.relpath(DOC, trials.REPO_DIR)}")
 

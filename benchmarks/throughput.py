@@ -122,7 +122,14 @@ def worker_specs() -> list[tuple]:
             jit("all three, 2 devices"),
             {"label": "replicator compile, all three, 2 devices", "path": "replicator_compile"},
         ]),
-        ("tuned2sched", _devices_env(2, True, scheduler=True), tuned, (), [
+        # What malloc and the scheduler each do on 2 devices; then replicator's defaults.
+        ("pool2", _devices_env(2, True), {"pool_lowering": True}, (), [
+            jit(TWO_NO_MALLOC),
+        ]),
+        ("sched2", _devices_env(2, True, scheduler=True), {"pool_lowering": True}, (), [
+            jit(TWO_SCHED_NO_MALLOC),
+        ]),
+        ("ours2", _devices_env(2, True, scheduler=True), tuned, (), [
             jit(TWO_SCHED),
             {"label": OURS_SCHED, "path": "replicator_compile"},
         ]),
@@ -131,6 +138,8 @@ def worker_specs() -> list[tuple]:
 
 
 ALL = "malloc/malloc + eigen conv + pool lowering"
+TWO_NO_MALLOC = "eigen conv + pool lowering, 2 devices"
+TWO_SCHED_NO_MALLOC = "eigen conv + pool lowering + memory-optimized scheduler, 2 devices"
 TWO_SCHED = "all three + memory-optimized scheduler, 2 devices"
 OURS_SCHED = "replicator compile, replicator's CPU defaults, 2 devices"
 # factor -> (the factor alone, every factor but this one); compared with stock / with ALL.
@@ -188,7 +197,11 @@ def measure(rounds: int, steps: int) -> dict:
             results, one, "tuned1core/all three, 1 device, pinned to 1 core"
         ),
         "two_devices_vs_one_device": trials.ratio_stats(results, two, one),
-        "scheduler_2_devices": trials.ratio_stats(results, f"tuned2sched/{TWO_SCHED}", two),
+        "malloc_2_devices": trials.ratio_stats(results, two, f"pool2/{TWO_NO_MALLOC}"),
+        "scheduler_2_devices": trials.ratio_stats(
+            results, f"sched2/{TWO_SCHED_NO_MALLOC}", f"pool2/{TWO_NO_MALLOC}"
+        ),
+        "scheduler_with_malloc_2_devices": trials.ratio_stats(results, f"ours2/{TWO_SCHED}", two),
     }
     return {
         "factors": factors,
@@ -257,6 +270,10 @@ def render_findings(result: dict) -> str:
         f"{f[name]['on_top_of_the_others']['median']:.1f}x on top of the other two"
     )
     split = result["device_split"]
+    per_image = result["model_flops_per_step"] / cnn_steps.GLOBAL_BATCH
+    tf_mfu = "-".join(
+        f"{100 * rate * per_image / result['peak_flops_per_s']:.0f}%" for rate in (6500, 8700)
+    )
     ips = lambda label: f"{rows[label]['images_per_s']:,.0f}"
     mfu = lambda label: f"{100 * rows[label]['mfu']:.0f}%"
     return "\n".join(
@@ -298,16 +315,20 @@ def render_findings(result: dict) -> str:
             "of XLA:CPU's small ops and fusions run on one thread; one device per core "
             "runs the data-parallel halves side by side. More devices than cores is "
             "slower again (see Scaling).",
-            "5. **The order of the step's operations on several devices** ("
-            f"{split['scheduler_2_devices']['median']:.2f}x on 2 devices, "
-            f"[{split['scheduler_2_devices']['min']:.2f}-"
-            f"{split['scheduler_2_devices']['max']:.2f}]). XLA:CPU's default scheduler "
-            "puts the per-step metric all-reduce in the middle of the backward pass and "
-            "lets the devices' elementwise fusions and Eigen's convolutions contend for the "
-            "cores (the first layer's bias + relu + pool fusion took 5.4 ms instead of 1.4 "
-            "in a profile). `xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED` "
-            "orders it better, with bitwise identical results; on 1 device it is neutral to "
-            "slightly slower (0.9-1.0x). `benchmarks/conv_study.py` found this while "
+            "5. **Several devices in one process contend for memory** (on 2 devices: the "
+            f"malloc setting {trials.fmt_ratio(split['malloc_2_devices'])}; XLA's "
+            "memory-optimized scheduler "
+            f"{trials.fmt_ratio(split['scheduler_2_devices'])} without it, "
+            f"{trials.fmt_ratio(split['scheduler_with_malloc_2_devices'])} on top of it). "
+            "Each device's step allocates and frees its temp buffers every step, side by "
+            "side with the other devices': with glibc's defaults every step maps fresh "
+            "pages and the threads queue on the kernel's memory-map lock. XLA:CPU's "
+            "default scheduler also puts the per-step metric all-reduce in the middle of "
+            "the backward pass (the first layer's bias + relu + pool fusion took 5.4 ms "
+            "instead of 1.4 in a profile). "
+            "`xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED` reorders the "
+            "step, with bitwise identical results; on 1 device both are neutral to "
+            "slightly slower (0.9-1.0x). `benchmarks/conv_study.py` found the scheduler while "
             "looking for a faster formulation of the convolutions: none of im2col, nine "
             "shifted matmuls, `conv_general_dilated_patches` or NCHW beats Eigen's "
             "convolutions in the whole step (0.4-0.9x); the second convolution already "
@@ -322,7 +343,8 @@ def render_findings(result: dict) -> str:
             "activations that Eigen's weight-gradient convolutions need, "
             "bias/relu/pool masks over the 22 MB first-layer activation, bias-gradient "
             "reductions), not by the matmul units. The issue's TensorFlow figure "
-            "(6,500-8,700 images/s) is about 25-35% of the peak measured here.",
+            f"(6,500-8,700 images/s, MirroredStrategy with oneDNN, 1 device) is {tf_mfu} "
+            "of the peak measured here.",
             "",
             "**What replicator does on CPU hosts** (`replicator/cpu.py`):",
             "",
@@ -332,14 +354,14 @@ def render_findings(result: dict) -> str:
             "- Eigen convolutions: adopted. On CPU meshes both `jax.jit` calls (`run`, "
             "`compile`) get `compiler_options={'xla_cpu_experimental_ynn_fusion_type': "
             "'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}`.",
-            "- Memory-optimized scheduler: adopted where a process holds several CPU "
-            "devices (`cpu.SEVERAL_DEVICES_OPTIONS`), not for a single device.",
+            "- Where a process holds several CPU devices: the malloc setting "
+            "(`cpu.keep_freed_memory`, process-wide: the process keeps its peak heap, "
+            "which a training loop reaches every step anyway) and the memory-optimized "
+            "scheduler (`cpu.SEVERAL_DEVICES_OPTIONS`). Not for a single device, where "
+            "neither pays.",
             "- One device per core: not made the default. It pays at batch 256 (1.8x), but "
             "the offline default (digits, batch 64) trains slower on 2 devices than on 1 "
             "(12.8 s vs 10.4 s); use `--cpu_devices=N` where the per-device batch is large.",
-            "- malloc: `keep_freed_memory()` pays off while steps allocate hundreds of MB; "
-            "after the other fixes its gain is within noise here, and it keeps the process "
-            "at its peak heap, so it stays opt-in (`benchmarks/cpu_defaults.py`).",
             "",
         ]
     )

@@ -10,19 +10,28 @@
   Registered for the CPU platform only; other windows keep JAX's lowering.
 * `COMPILER_OPTIONS`: this jaxlib sends convolutions to YNNPACK, 1.6-3.6x slower
   than Eigen on small-channel convolutions; keep YNNPACK for dots only.
-* `SEVERAL_DEVICES_OPTIONS`: when a process runs several CPU devices, XLA's
-  memory-optimized scheduler orders the step so that the devices contend less
-  for the cores (the tutorial CNN on 2 devices: 1.25-1.7x; 1 device: 0.9-1.0x,
-  so only then). Results are bitwise the same. Found by
-  ``benchmarks/conv_study.py``, which also shows that no matmul formulation of
-  the convolutions beats Eigen's.
+* When a process runs several CPU devices, their steps run side by side and
+  each allocates and frees its temp buffers (tens of MB) every step. glibc
+  serves such blocks with ``mmap`` and returns them with ``munmap``, so every
+  step faults its pages in again, and the devices' threads queue on the
+  kernel's memory map lock: `keep_freed_memory` (the tutorial CNN on 2 devices:
+  1.8x). `SEVERAL_DEVICES_OPTIONS`, XLA's memory-optimized scheduler, orders
+  the step so that the devices contend less (1.24x without the malloc setting,
+  neutral with it; it is what helps where the C library is not glibc).
+  Results are bitwise the same. On 1 device neither pays (0.9-1.0x).
+  ``benchmarks/conv_study.py`` found the scheduler, and that no matmul
+  formulation of the convolutions beats Eigen's.
+
+`configure` applies all of it for a set of devices; the Replicator calls it.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import itertools
+import platform
 
 import jax.numpy as jnp
 from jax import lax
@@ -32,19 +41,46 @@ COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE
 SEVERAL_DEVICES_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
-def compiler_options(devices) -> dict[str, str] | None:
-    """`jax.jit` compiler options for a computation on ``devices``; None off CPU.
+def configure(devices) -> dict[str, str] | None:
+    """Applies the CPU defaults for a mesh of ``devices``; their compiler options.
 
-    `COMPILER_OPTIONS` always, `SEVERAL_DEVICES_OPTIONS` too when one process
-    holds more than one of ``devices``.
+    Off CPU: nothing, and None. On CPU: installs the max-pool lowering, and
+    when one process holds several of ``devices`` keeps freed memory
+    (process-wide); returns the options for `jax.jit`.
     """
     if not all(d.platform == "cpu" for d in devices):
         return None
+    install_max_pool_lowering()
     options = dict(COMPILER_OPTIONS)
-    per_process = collections.Counter(d.process_index for d in devices)
-    if max(per_process.values(), default=0) > 1:
+    if _several_per_process(devices):
+        keep_freed_memory()
         options |= SEVERAL_DEVICES_OPTIONS
     return options
+
+
+def _several_per_process(devices) -> bool:
+    per_process = collections.Counter(d.process_index for d in devices)
+    return max(per_process.values(), default=0) > 1
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc malloc keep freed memory for reuse instead of unmapping it.
+
+    Process-wide, for later allocations; large blocks then come from the heap
+    instead of ``mmap``, and freed memory is not trimmed. The cost: the process
+    keeps its peak heap, which a training loop reaches every step anyway.
+
+    Returns:
+      Whether it took effect: False where the C library is not glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _non_overlapping(window_dimensions, window_strides, padding, *dilations) -> bool:

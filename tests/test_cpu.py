@@ -1,5 +1,7 @@
 """CPU defaults: the max-pool lowering changes speed, never results."""
 
+import platform
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,3 +55,9 @@ def test_replicator_on_cpu_compiles_convolutions_with_eigen():
     several = rp.Replicator()  # 8 devices in this process: also the scheduler option
     assert several._compiler_options == cpu.COMPILER_OPTIONS | cpu.SEVERAL_DEVICES_OPTIONS
     assert rp.Replicator(cpu_defaults=False)._compiler_options is None
+
+
+def test_keep_freed_memory_takes_effect_on_glibc():
+    assert cpu.keep_freed_memory() == (
+        platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    )
