@@ -31,7 +31,7 @@ import collections
 import ctypes
 import functools
 import itertools
-import platform
+import os
 
 import jax.numpy as jnp
 from jax import lax
@@ -77,7 +77,11 @@ def keep_freed_memory() -> bool:
     Returns:
       Whether it took effect: False where the C library is not glibc.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that knows it
+        glibc = ""
+    if not glibc.startswith("glibc"):
         return False
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

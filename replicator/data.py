@@ -22,12 +22,14 @@ compilation; later epochs are NumPy gathers. grain iterates over the batches
 and can compute them on threads.
 """
 
+import atexit
 import difflib
 import functools
 import itertools
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -181,7 +183,10 @@ class RecordSource(Sequence[Example]):
     features (``Image``: PNG/JPEG) by tfds' own per-value decoder. tfds'
     decoders pick OpenCV over PIL when it is installed, as replicator does:
     it decodes a 28x28 PNG in half PIL's time. Results equal tfds'
-    ``source[i]``, stacked.
+    ``source[i]``, stacked (scalars included: tfds makes them Python numbers,
+    which stack as int64, float64 or bool). Only splits whose top-level
+    features each store one value of fixed shape are wrapped; nested dicts,
+    sequences and ragged features keep tfds' per-example path.
 
     Use `RecordSource.wrap`, which keeps any other source as it is.
 
@@ -205,6 +210,9 @@ class RecordSource(Sequence[Example]):
             and isinstance(features, tfds.features.FeaturesDict)
             # Real files: tfds.testing.mock_data puts a mock here.
             and isinstance(getattr(source, "data_source", None), ArrayRecordDataSource)
+            # One stored value of fixed shape per top-level feature: no nested
+            # dicts, sequences or ragged dimensions.
+            and all(_fixed_shape(f.get_serialized_info()) for f in features.values())
         )
         return cls(source) if plain else source
 
@@ -221,9 +229,11 @@ class RecordSource(Sequence[Example]):
         if len(records) != len(indices):
             raise IndexError(f"Asked for {len(indices)} records, got {len(records)}.")
         columns: dict[str, list] = {name: [] for name in self._decoders}
-        for record in records:
+        for index, record in zip(indices, records):
             stored = tf_example_pb2.Example.FromString(record).features.feature
             for name, values in columns.items():
+                if name not in stored:
+                    raise ValueError(f"Record {index} of {self._source!r} has no feature {name!r}.")
                 feature = stored[name]
                 values.append(getattr(feature, feature.WhichOneof("kind")).value)
         return {name: self._decoders[name](values) for name, values in columns.items()}
@@ -232,43 +242,45 @@ class RecordSource(Sequence[Example]):
         return f"RecordSource({self._source!r})"
 
 
+def _fixed_shape(stored: Any) -> bool:
+    return isinstance(stored, tfds.features.TensorInfo) and None not in stored.shape
+
+
 def _batch_decoder(feature: tfds.features.FeatureConnector) -> Callable[[list], np.ndarray]:
-    """Decodes one feature's stored values, one list per example, into a batch."""
+    """Decodes one feature's stored values (one list per example) into a batch.
+
+    Mirrors tfds' NumPy parser: the stored values become an array of the
+    serialized dtype and shape (a scalar becomes a Python number, so scalars
+    stack as int64, float64 or bool), and the feature decodes that.
+    """
     stored = feature.get_serialized_info()
-    fixed = isinstance(stored, tfds.features.TensorInfo) and None not in stored.shape
+    dtype, shape = np.dtype(stored.np_dtype), tuple(stored.shape)
     if (
         isinstance(feature, tfds.features.Tensor)
-        and fixed
-        and stored.shape == feature.shape
-        and np.dtype(feature.np_dtype) != np.uint64  # stored bitcast to int64
-        and np.dtype(feature.np_dtype).kind in "biuf"
+        and shape == tuple(feature.shape)  # not encoded to bytes: decoding is a reshape
+        and dtype.kind in "biuf"
+        and dtype != np.uint64  # stored bitcast to int64
     ):
-        # Numbers stored as an int64 or float list: one conversion for the batch.
-        dtype, size, shape = feature.np_dtype, int(np.prod(stored.shape)), stored.shape
+        # Numbers stored as int64 or float lists: one conversion for the batch.
+        size = int(np.prod(shape))
+        stacked = np.asarray(np.zeros((), dtype).item()).dtype if not shape else dtype
 
         def decode_numbers(values: list) -> np.ndarray:
             flat = np.fromiter(itertools.chain.from_iterable(values), dtype, len(values) * size)
-            return flat.reshape(len(values), *shape)
+            return flat.reshape(len(values), *shape).astype(stacked, copy=False)
 
         return decode_numbers
 
     def decode_each(values: list) -> np.ndarray:
-        # Anything else (images, bytes-encoded tensors, text) exactly as tfds
-        # decodes it, one value at a time.
-        return _stack_leaves(*(_decode_value(feature, stored, v) for v in values))
+        # Anything else (images, bytes-encoded tensors, text), one value at a time.
+        return _stack_leaves(*(feature.decode_example_np(_parse(v, dtype, shape)) for v in values))
 
     return decode_each
 
 
-def _decode_value(feature, stored, values) -> Any:
-    shape = getattr(stored, "shape", None)
-    if shape == ():
-        value = values[0]
-    else:
-        value = np.array(values, dtype=getattr(stored, "np_dtype", None))
-        if shape:
-            value = value.reshape(shape)
-    return feature.decode_example_np(value)
+def _parse(values: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+    value = np.array(values, dtype=dtype)
+    return value.item() if not shape else value.reshape(shape)
 
 
 _FIXED_SHAPES = (
@@ -316,6 +328,7 @@ class CachedSource(Sequence[Example]):
                 target=self._fill_all, args=(chunk_size,), name="CachedSource", daemon=True
             )
             self._filler.start()
+            _FILLING.add(self)
 
     def stop_filling(self) -> None:
         """Stops the background filling (after the chunk in progress) and waits for it."""
@@ -365,6 +378,17 @@ class CachedSource(Sequence[Example]):
 
     def __repr__(self) -> str:
         return f"CachedSource({self._source!r})"
+
+
+# Sources still filling when the interpreter exits are stopped first: a daemon
+# thread inside a decoder or array_record's thread pool at shutdown can crash it.
+_FILLING: weakref.WeakSet[CachedSource] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_filling() -> None:
+    for source in list(_FILLING):
+        source.stop_filling()
 
 
 def _check_feature_shapes(columns: Batch, batch: Batch) -> None:

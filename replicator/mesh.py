@@ -9,6 +9,7 @@ The data-parallel replicas span ``data`` x ``fsdp``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -202,13 +203,34 @@ def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300
 
     rendezvous.meet(group, timeout_s=timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    host, port = rendezvous.split_address(group.coordinator_address)
+    host, port = split_address(group.coordinator_address)
     jax.distributed.initialize(
         coordinator_address=group.coordinator_address,
         num_processes=group.num_processes,
         process_id=group.process_id,
         initialization_timeout=max(int(timeout_s), 1),
-        # A loopback coordinator (local runs) listens on loopback only, not on
-        # every interface as JAX's coordination service does by default.
-        coordinator_bind_address=f"{host}:{port}" if rendezvous.is_loopback(host) else None,
+        coordinator_bind_address=_bind_address(host, port),
     )
+
+
+def _bind_address(host: str, port: int) -> str | None:
+    """A loopback coordinator (local runs) listens on loopback only, not on every
+    interface as JAX's coordination service does by default; None keeps JAX's
+    choice (its default, or ``$JAX_COORDINATOR_BIND_ADDRESS``)."""
+    if not is_loopback(host) or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 hosts in brackets) as ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (then servers bind to it alone)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -201,21 +201,33 @@ def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None
     Accelerators: the data-sheet dense bf16 peak of their chip times their
     count. CPUs: an f32 matmul measured now on one of this process's devices
     (chains of dependent 1024x1024 products, best of a few rounds, about
-    0.3 s), times the number of processes: a process's CPU devices share one
-    host's cores, and every host is taken to be like this one.
+    0.3 s), times the number of hosts (`_num_hosts`): a host's CPU devices
+    share its cores, and every host is taken to be like this one.
 
     Returns:
       ``(flops_per_second, source)``, or None for an accelerator not in the table.
     """
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        processes = len({d.process_index for d in devices})
         local = [d for d in devices if d.process_index == jax.process_index()]
-        return processes * measure_matmul_flops(local[0]), "measured f32 matmul"
+        return _num_hosts(devices) * measure_matmul_flops(local[0]), "measured f32 matmul"
     for prefix, peak in _PEAK_FLOPS.items():
         if kind.startswith(prefix):
             return len(devices) * peak, f"{prefix} bf16 data sheet"
     return None
+
+
+def _num_hosts(devices: list[jax.Device]) -> int:
+    """Hosts under ``devices``: one per process, unless the coordinator is this host's
+    loopback (``launch local``), where every process shares this host's cores."""
+    from jax._src.distributed import global_state  # private; jax is pinned < 0.11
+
+    from replicator.mesh import is_loopback, split_address
+
+    address = global_state.coordinator_address
+    if address and is_loopback(split_address(address)[0]):
+        return 1
+    return len({d.process_index for d in devices})
 
 
 def measure_matmul_flops(device: jax.Device, n: int = 1024, rounds: int = 5) -> float:

@@ -10,25 +10,10 @@ roll call travels over this socket; all training traffic goes through JAX.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import time
 
-from replicator.mesh import ProcessGroup
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (IPv6 hosts in brackets) as ``(host, port)``."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is this machine's loopback (then servers bind to it alone)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from replicator.mesh import ProcessGroup, is_loopback, split_address
 
 
 def rendezvous_address(group: ProcessGroup) -> tuple[str, int]:
@@ -57,7 +42,8 @@ def _host(group: ProcessGroup, deadline: float, timeout_s: float) -> None:
     host, port = rendezvous_address(group)
     arrived: dict[int, socket.socket] = {}
     bind = host if is_loopback(host) else ""  # a real cluster: every interface
-    with socket.create_server((bind, port), reuse_port=False) as server:
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.create_server((bind, port), family=family, reuse_port=False) as server:
         server.settimeout(0.2)
         try:
             while len(arrived) < group.num_processes - 1 and time.monotonic() < deadline:

@@ -225,7 +225,7 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
     logger = _TrainLogger(writer, progress, start_step, config.batch_size)
     guard = _NonfiniteGuard(workdir, config.nonfinite, repl.precision.loss_scaling)
     profiler = _Profiler(os.path.join(workdir, "profile"), config.profile_steps)
-    step, batch = start_step, None
+    step, batch, completed = start_step, None, False
     watch.add("setup", watch.elapsed())  # model, data, state: everything before the first step
     try:
         while step < config.num_train_steps:
@@ -256,17 +256,21 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
                 checkpoints.wait()
                 log.warning("%s received; stopped at step %d.", preemption.signal_name, step)
                 raise Preempted(step, checkpoints.directory)
+        with watch.time("compute"):
+            jax.block_until_ready(state)  # the last steps in flight belong to compute too
         guard.flush()
         logger.flush()
         if start_step == config.num_train_steps:
             eval_result = evaluate_now(step)  # already trained: just report
+        completed = True
     finally:
         batches.close()
         for source in (train_source, run.eval_source):
             if isinstance(source, data.CachedSource):
                 source.stop_filling()
         progress.close()
-        checkpoints.close()
+        with watch.time("checkpoint"):
+            checkpoints.close()  # waits for the last save
         profiler.stop()
         total = watch.elapsed()
         summary = {k: round(v, 3) for k, v in watch.totals.items()} | {
@@ -279,7 +283,7 @@ def _train_and_evaluate(config, workdir, preemption, quiet, devices, strict) -> 
             record["examples_per_sec"] = steps_run * config.batch_size / summary["total"]
             # Goodput: the share of wall time spent in training steps proper.
             record["goodput"] = watch.totals.get("compute", 0.0) / summary["total"]
-        if steps_run > 1 and batch is not None and writer.enabled:
+        if completed and steps_run > 1 and writer.enabled:
             record |= _utilization(repl, train_step, state, batch, steps_run - 1, watch)
         writer.write(step, record, split="summary")
         log.info("wall time: %s", ", ".join(f"{k} {v:.1f} s" for k, v in summary.items()))
@@ -411,6 +415,8 @@ class Evaluator:
 
     def close(self) -> None:
         self.checkpoints.close()
+        if isinstance(self.run.eval_source, data.CachedSource):
+            self.run.eval_source.stop_filling()
 
 
 def _wait_for_checkpoint(checkpoints: Checkpoints, *, after: int | None, timeout_s):
@@ -479,22 +485,22 @@ def _utilization(repl: Replicator, train_step, state, batch, steps: int, watch) 
     first, compiling step, as ``steps`` does.
     """
     devices = list(repl.mesh.devices.flat)
+    result: dict[str, Any] = {}
     try:
         # The compiled program is cached: this neither traces nor compiles again.
         cost = train_step.lower(state, batch).compile().cost_analysis()
         flops = float(cost["flops"]) * len(devices)  # XLA counts one device's program
+        result["flops_per_step"] = flops
+        compute = watch.totals.get("compute", 0.0)
+        peak = peak_flops_per_second(devices)
+        if peak is not None and compute > 0 and flops > 0:
+            result |= {
+                "mfu": flops * steps / compute / peak[0],
+                "peak_flops_per_sec": peak[0],
+                "peak_source": peak[1],
+            }
     except Exception as e:  # noqa: BLE001  (an instrument must not fail the run)
-        log.warning("No FLOP count for the train step: %s", e)
-        return {}
-    result: dict[str, Any] = {"flops_per_step": flops}
-    compute = watch.totals.get("compute", 0.0)
-    peak = peak_flops_per_second(devices)
-    if peak is not None and compute > 0 and flops > 0:
-        result |= {
-            "mfu": flops * steps / compute / peak[0],
-            "peak_flops_per_sec": peak[0],
-            "peak_source": peak[1],
-        }
+        log.warning("No FLOP count or MFU for the train step: %s", e)
     return result
 
 

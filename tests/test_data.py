@@ -293,6 +293,9 @@ class PicturesForTests(tfds.core.GeneratorBasedBuilder):
                 "label": tfds.features.ClassLabel(num_classes=4),
                 "weights": tfds.features.Tensor(shape=(2, 3), dtype=np.float32),
                 "flag": tfds.features.Scalar(dtype=np.bool_),
+                "score": tfds.features.Scalar(dtype=np.float32),
+                "small": tfds.features.Scalar(dtype=np.uint8),
+                "pixels": tfds.features.Tensor(shape=(2, 2), dtype=np.uint8),
                 "raw": tfds.features.Tensor(shape=(4,), dtype=np.int16, encoding="bytes"),
                 "name": tfds.features.Text(),
             }
@@ -321,6 +324,9 @@ class PicturesForTests(tfds.core.GeneratorBasedBuilder):
                     "label": i % 4,
                     "weights": rng.normal(size=(2, 3)).astype(np.float32),
                     "flag": bool(i % 3),
+                    "score": np.float32(i / 7),
+                    "small": np.uint8(i),
+                    "pixels": rng.integers(0, 256, (2, 2)).astype(np.uint8),
                     "raw": rng.integers(-500, 500, 4).astype(np.int16),
                     "name": f"example {i}",
                 },
@@ -347,6 +353,48 @@ def test_batch_decoding_equals_tfds_example_by_example(tmp_path):
         if key != "name":
             assert column.dtype == want.dtype, key
         np.testing.assert_array_equal(column, want, err_msg=key)
+
+
+class RaggedForTests(tfds.core.GeneratorBasedBuilder):
+    """Features that RecordSource leaves to tfds: a nested dict and a ragged tensor."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls):
+        return epath.Path(__file__)
+
+    def _info(self):
+        features = tfds.features.FeaturesDict(
+            {
+                "values": tfds.features.Tensor(shape=(None,), dtype=np.int64),
+                "meta": tfds.features.FeaturesDict({"id": tfds.features.Scalar(np.int64)}),
+            }
+        )
+        return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+        for i in range(5):
+            yield i, {"values": np.full(3, i, np.int64), "meta": {"id": i}}
+
+
+def test_nested_and_ragged_features_keep_tfds_decoding(tmp_path):
+    tfds.builder("ragged_for_tests", data_dir=str(tmp_path)).download_and_prepare(
+        file_format="array_record"
+    )
+    source = data.load_data_source(
+        "ragged_for_tests", "train", data_dir=str(tmp_path), max_cache_bytes=0
+    )
+    assert not isinstance(source, data.RecordSource)
+    batch = data.read_batch(source, [4, 1])
+    ids = [source[4]["meta"]["id"], source[1]["meta"]["id"]]  # tfds shuffles on writing
+    np.testing.assert_array_equal(batch["meta"]["id"], ids)
+    np.testing.assert_array_equal(batch["values"], np.repeat(np.array(ids)[:, None], 3, 1))
 
 
 def test_digits_decode_a_batch_at_a_time(data_dir):
