@@ -476,13 +476,7 @@ def step(rounds: int, steps: int, forms=STEP_FORMS, lowerings=()) -> None:
             cands += [{"label": "peak 1024", "form": "peak", "n": 1024}]
         env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
         specs.append((f"{n}dev", "conv_study", "build", {"candidates": cands}, env))
-    workers = trials.start_workers(specs)
-    try:
-        results = trials.run_trials(workers, rounds, steps)
-        info = {f"{w.name}/{label}": i for w in workers for label, i in w.info.items()}
-    finally:
-        for w in workers:
-            w.close()
+    results, info = trials.run_workers(specs, rounds, steps)
     peak_key = "1dev/peak 1024"
     rates = [info[peak_key]["flops_per_call"] / t.wall_s for t in results if t.key == peak_key]
     peak = max(rates)
@@ -549,13 +543,7 @@ def flags(rounds: int, steps: int) -> None:
             specs.append(
                 (name, "conv_study", "build", {"candidates": cands}, {"XLA_FLAGS": " ".join(xla)})
             )
-    workers = trials.start_workers(specs)
-    try:
-        results = trials.run_trials(workers, rounds, steps)
-        info = {f"{w.name}/{label}": i for w in workers for label, i in w.info.items()}
-    finally:
-        for w in workers:
-            w.close()
+    results, info = trials.run_workers(specs, rounds, steps)
     peak_key = "1dev/peak 1024"
     rates = [info[peak_key]["flops_per_call"] / t.wall_s for t in results if t.key == peak_key]
     peak, model_flops = max(rates), info["1dev/jit"]["flops_per_device"]

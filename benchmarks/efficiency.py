@@ -118,12 +118,7 @@ def measure(rounds: int, steps: int) -> dict:
             {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
         )
     )
-    workers = trials.start_workers(specs)
-    try:
-        results = trials.run_trials(workers, rounds, steps)
-    finally:
-        for w in workers:
-            w.close()
+    results, _ = trials.run_workers(specs, rounds, steps)
     out = {"devices": {}}
     for n in DEVICE_COUNTS:
         key = lambda path, n=n: f"{n}dev/{path}"

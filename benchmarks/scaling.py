@@ -221,12 +221,7 @@ def measure(rounds: int, steps: int) -> dict:
         )
         env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
         specs.append((f"{setting}/{PAIR}", "scaling", "build_pair", spec, env))
-    workers = trials.start_workers(specs)
-    try:
-        results = trials.run_trials(workers, rounds, steps)
-    finally:
-        for w in workers:
-            w.close()
+    results, _ = trials.run_workers(specs, rounds, steps)
     rows = {}
     key = lambda setting, n: f"{setting}/{n}/{PATH}"
     for setting in SETTINGS:

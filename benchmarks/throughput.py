@@ -155,13 +155,7 @@ def measure(rounds: int, steps: int) -> dict:
         (name, "throughput", "build", {"candidates": cands, **flags}, env, launcher)
         for name, env, flags, launcher, cands in worker_specs()
     ]
-    workers = trials.start_workers(specs)
-    try:
-        results = trials.run_trials(workers, rounds, steps)
-        info = {f"{w.name}/{label}": i for w in workers for label, i in w.info.items()}
-    finally:
-        for w in workers:
-            w.close()
+    results, info = trials.run_workers(specs, rounds, steps)
     peak_keys = [f"stock/peak {n}" for n in PEAK_SIZES]
     peak_rates = {
         key: [info[key]["flops_per_call"] / t.wall_s for t in results if t.key == key]

@@ -169,6 +169,22 @@ def start_workers(specs: Iterable[tuple]) -> list[Worker]:
     return workers
 
 
+def run_workers(specs: Iterable[tuple], rounds: int, steps: int) -> tuple[list[Trial], dict]:
+    """Starts the workers of ``specs``, times them interleaved, and closes them.
+
+    Returns:
+      The trials, and each candidate's info keyed ``"worker/label"``.
+    """
+    workers = start_workers(specs)
+    try:
+        results = run_trials(workers, rounds, steps)
+        info = {f"{w.name}/{label}": i for w in workers for label, i in w.info.items()}
+    finally:
+        for w in workers:
+            w.close()
+    return results, info
+
+
 # ------------------------------------------------------------------ statistics
 
 

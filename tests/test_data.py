@@ -275,8 +275,8 @@ def test_examples_of_different_shapes_are_a_clear_error():
         cached.read_batch([1])
 
 
-class PicturesForTests(tfds.core.GeneratorBasedBuilder):
-    """A tiny offline dataset with the feature kinds of tfds' image datasets."""
+class _OfflineBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """A tfds builder defined here: nothing to download, no checksums file."""
 
     VERSION = tfds.core.Version("1.0.0")
 
@@ -284,6 +284,10 @@ class PicturesForTests(tfds.core.GeneratorBasedBuilder):
     @classmethod
     def code_path(cls):
         return epath.Path(__file__)
+
+
+class PicturesForTests(_OfflineBuilder):
+    """A tiny offline dataset with the feature kinds of tfds' image datasets."""
 
     def _info(self):
         features = tfds.features.FeaturesDict(
@@ -355,15 +359,8 @@ def test_batch_decoding_equals_tfds_example_by_example(tmp_path):
         np.testing.assert_array_equal(column, want, err_msg=key)
 
 
-class RaggedForTests(tfds.core.GeneratorBasedBuilder):
+class RaggedForTests(_OfflineBuilder):
     """Features that RecordSource leaves to tfds: a nested dict and a ragged tensor."""
-
-    VERSION = tfds.core.Version("1.0.0")
-
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls):
-        return epath.Path(__file__)
 
     def _info(self):
         features = tfds.features.FeaturesDict(
