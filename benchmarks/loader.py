@@ -211,6 +211,11 @@ def measure_input_wait(data_dir: str, workdir: str) -> dict:
         "--quiet",
     ]
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    return wall_times(workdir)
+
+
+def wall_times(workdir: str) -> dict:
+    """The run's summary wall times, with the share spent waiting for input."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     (summary,) = [r for r in records if r.get("split") == "summary"]
@@ -234,11 +239,7 @@ def measure_run_input_wait(data_dir: str, workdir: str, steps: int) -> dict:
         checkpoint_every_steps=steps,
     )
     train.train_and_evaluate(config, workdir, quiet=True)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    (summary,) = [r for r in records if r.get("split") == "summary"]
-    wall = summary["wall_time_s"]
-    return {**wall, "steps": steps, "input_fraction": wall["input"] / wall["total"]}
+    return {**wall_times(workdir), "steps": steps}
 
 
 def median(values: list[float]) -> float:
