@@ -48,10 +48,10 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
-from etils import epath  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import experiments.datasets  # noqa: E402, F401  (registers "digits")
+from experiments.datasets.base import LocalBuilder  # noqa: E402
 from replicator import data, train  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "loader.json")
@@ -60,20 +60,14 @@ COMMAND = ".venv/bin/python benchmarks/loader.py"
 TRAIN_COMMAND = ".venv/bin/python -m replicator train --config configs/digits_cnn.py"
 
 
-class Synthetic28(tfds.core.GeneratorBasedBuilder):
+class Synthetic28(LocalBuilder):
     """MNIST-shaped stand-in: 28x28 grayscale PNG images and 10 labels, built offline."""
 
-    VERSION = tfds.core.Version("1.0.0")
     BUILDER_CONFIGS = []
     num_train = 10_000  # set by main() before building
 
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls) -> epath.Path:
-        return epath.Path(__file__)
-
     def _info(self) -> tfds.core.DatasetInfo:
-        # The features of tfds' mnist: images stored as PNG, decoded by PIL on read.
+        # The features of tfds' mnist: images stored as PNG, decoded by OpenCV on read.
         features = tfds.features.FeaturesDict(
             {
                 "image": tfds.features.Image(shape=(28, 28, 1)),

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from etils import epath
 from sklearn.datasets import load_digits
 
 import experiments.datasets  # noqa: F401  (registers the "digits" builder)
 from experiments.datasets import digits
+from experiments.datasets.base import LocalBuilder
 from replicator import data
 
 
@@ -275,18 +275,7 @@ def test_examples_of_different_shapes_are_a_clear_error():
         cached.read_batch([1])
 
 
-class _OfflineBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """A tfds builder defined here: nothing to download, no checksums file."""
-
-    VERSION = tfds.core.Version("1.0.0")
-
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls):
-        return epath.Path(__file__)
-
-
-class PicturesForTests(_OfflineBuilder):
+class PicturesForTests(LocalBuilder):
     """A tiny offline dataset with the feature kinds of tfds' image datasets."""
 
     def _info(self):
@@ -359,7 +348,7 @@ def test_batch_decoding_equals_tfds_example_by_example(tmp_path):
         np.testing.assert_array_equal(column, want, err_msg=key)
 
 
-class RaggedForTests(_OfflineBuilder):
+class RaggedForTests(LocalBuilder):
     """Features that RecordSource leaves to tfds: a nested dict and a ragged tensor."""
 
     def _info(self):

@@ -25,8 +25,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 from sklearn.datasets import load_digits
+
+from experiments.datasets.base import LocalBuilder
 
 NUM_CLASSES = 10
 NUM_TEST_EXAMPLES = 360
@@ -42,7 +43,7 @@ _CITATION = """\
 }"""
 
 
-class Digits(tfds.core.GeneratorBasedBuilder):
+class Digits(LocalBuilder):
     """scikit-learn's handwritten digits as a tfds dataset (no download needed)."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -50,19 +51,10 @@ class Digits(tfds.core.GeneratorBasedBuilder):
     # Read by replicator.data: such builders are prepared on first use.
     BUILDS_OFFLINE = True
 
-    # tfds' default code_path (where it looks for checksums.tsv) imports the
-    # `importlib_resources` backport for any builder that lives in a package, and
-    # tfds 4.9.10 does not depend on it for Python >= 3.9. This builder downloads
-    # nothing, so point at this file without that import.
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls) -> epath.Path:
-        return epath.Path(__file__)
-
     def _info(self) -> tfds.core.DatasetInfo:
         # A raw uint8 Tensor instead of tfds.features.Image: Image encodes PNG
-        # with TensorFlow and decodes it with PIL or OpenCV, none of which we
-        # install. The stored bytes are smaller than a PNG of 64 pixels anyway.
+        # with TensorFlow, which we do not install. The stored bytes are
+        # smaller than a PNG of 64 pixels anyway.
         features = tfds.features.FeaturesDict(
             {
                 "image": tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
