@@ -118,7 +118,7 @@ def child(cache_dir: str | None) -> dict:
 
 
 def _only(cache: dict):
-    (jitted,) = cache.values()
+    ((jitted, _),) = cache.values()  # Replicator._run_cache: key -> (jitted, metadata)
     return jitted
 
 

@@ -5,11 +5,14 @@ Write a step function as if for one device; `Replicator.run` (per replica, on
 runs it on every device.
 """
 
+from replicator.context import AxisNameError as AxisNameError
 from replicator.context import ReplicaContext as ReplicaContext
 from replicator.context import get_replica_context as get_replica_context
+from replicator.context import replica_key as replica_key
 from replicator.losses import compute_average_loss as compute_average_loss
 from replicator.losses import global_sum as global_sum
 from replicator.losses import scale_regularization_loss as scale_regularization_loss
+from replicator.per_replica import PerReplica as PerReplica
 from replicator.precision import LossScale as LossScale
 from replicator.precision import Policy as Policy
 from replicator.precision import apply_policy as apply_policy

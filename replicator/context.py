@@ -1,8 +1,10 @@
 """The replica context: what a step function can ask while `Replicator.run` traces it.
 
-Like tf.distribute's ``get_replica_context()``: inside ``repl.run`` it says how many
-replicas take part and over which mesh axes they are laid out; outside it is None.
-It is set only while tracing, so it costs nothing at run time.
+Like tf.distribute's ``get_replica_context()``: inside ``repl.run`` it says which
+replica this is, how many take part and the mesh axes they span (the name to pass
+to ``lax.psum`` or ``nn.BatchNorm(axis_name=...)``); outside ``run``, and under
+``repl.compile`` (the global view, one replica holding the whole batch), it is
+None. It is set only while tracing, so it costs nothing at run time.
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
+import jax
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaContext:
     """Where a per-replica function runs.
 
     Attributes:
-      num_replicas: how many replicas run the function (the product of the sizes
-        of ``axis_names``).
-      axis_names: the mesh axes the replicas span, for collectives such as
-        ``jax.lax.psum(x, ctx.axis_names)``.
+      num_replicas: how many replicas run the function.
+      axis_name: the mesh axes the replicas span, a tuple such as ``("data",)``
+        or ``("data", "fsdp")``: pass it to ``jax.lax.psum``, ``pmean``,
+        ``all_gather``, ``axis_index`` and ``nn.BatchNorm(axis_name=...)``.
     """
 
     num_replicas: int
-    axis_names: tuple[str, ...]
+    axis_name: tuple[str, ...]
+
+    @property
+    def replica_id(self) -> jax.Array:
+        """This replica's index in ``[0, num_replicas)``, a traced int32 scalar."""
+        return jax.lax.axis_index(self.axis_name)
+
+
+class AxisNameError(NameError):
+    """A collective named an axis that is not the replicas' (``repl.axis_name``)."""
 
 
 _CURRENT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
@@ -34,13 +47,49 @@ _CURRENT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar
 
 
 def get_replica_context() -> ReplicaContext | None:
-    """Returns the replica context while `Replicator.run` traces a function, else None."""
+    """The replica context while `Replicator.run` traces a function, else None.
+
+    None also under `Replicator.compile`: there the step sees the global batch.
+
+    >>> get_replica_context() is None
+    True
+    """
     return _CURRENT.get()
 
 
 def replica_context(ctx: ReplicaContext) -> contextlib.AbstractContextManager:
     """While `Replicator.run` traces a function: `get_replica_context` returns ``ctx``."""
     return _binding(_CURRENT, ctx)
+
+
+_GLOBAL_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("global_view", default=False)
+
+
+def in_global_view() -> bool:
+    """True while `Replicator.compile` traces a step (one replica holds the whole batch)."""
+    return _GLOBAL_VIEW.get()
+
+
+def global_view() -> contextlib.AbstractContextManager:
+    """While `Replicator.compile` traces a step."""
+    return _binding(_GLOBAL_VIEW, True)
+
+
+def replica_key(key: jax.Array) -> jax.Array:
+    """A PRNG key of this replica's own, for dropout or noise that must differ per replica.
+
+    Inside `Replicator.run` it is ``jax.random.fold_in(key, replica_id)``:
+    distinct for every replica, the same on every run. Outside ``run`` and under
+    `Replicator.compile` (one replica, the global batch) it is ``key`` itself.
+    Typed (``jax.random.key``) and raw (``jax.random.PRNGKey``) keys both work.
+
+    >>> replica_key(jax.random.PRNGKey(7)).tolist()  # outside run: unchanged
+    [0, 7]
+    """
+    ctx = get_replica_context()
+    if ctx is None:
+        return key
+    return jax.random.fold_in(key, ctx.replica_id)
 
 
 _MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("microbatches", default=1)

@@ -107,8 +107,8 @@ def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
     if ctx is None:
         return total
     varying = jax.typeof(total).manual_axis_type.varying
-    axes = tuple(a for a in ctx.axis_names if a in varying)
-    missing = tuple(a for a in ctx.axis_names if a not in varying)
+    axes = tuple(a for a in ctx.axis_name if a in varying)
+    missing = tuple(a for a in ctx.axis_name if a not in varying)
     if missing:  # a replica-invariant value is counted once per replica
         total = jax.lax.pcast(total, missing, to="varying")
     return jax.lax.psum(total, axes + missing)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import math
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,9 +31,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator import cpu, optim
-from replicator.context import ReplicaContext, get_replica_context, replica_context
+from replicator import per_replica as pr
+from replicator.context import (
+    AxisNameError,
+    ReplicaContext,
+    get_replica_context,
+    global_view,
+    in_global_view,
+    replica_context,
+)
 from replicator.mesh import DATA_AXES, build_mesh
-from replicator.precision import Policy, get_policy
+from replicator.per_replica import Kind, PerReplica
+from replicator.precision import Policy, apply_policy, get_policy
 
 PyTree = Any
 
@@ -50,7 +61,9 @@ class Replicator:
       devices: the devices to use; ``None`` means every device of every process.
       mesh: axis sizes for ``"data"``, ``"fsdp"`` and ``"tensor"`` (``-1`` = the
         rest); ``None`` means pure data parallelism over all ``devices``.
-      precision: ``None``/``"fp32"``, ``"bf16"`` or a `Policy`.
+      precision: ``None``/``"fp32"``, ``"bf16"``, ``"fp16"`` or a `Policy`: what
+        `apply_policy` applies to a model and `TrainState.create` to a state
+        (fp16 adds a dynamic loss scale); the trainer uses both.
       max_steps_in_flight: how many dispatched steps may be unfinished when
         `run` or a compiled step returns. Dispatch stays asynchronous, but the
         host never runs far ahead of the devices (on XLA:CPU an unbounded queue of
@@ -61,6 +74,17 @@ class Replicator:
         process XLA's memory-optimized scheduler and glibc keeping freed memory
         (process-wide). 3-6x faster training of the tutorial CNN on CPU; False
         keeps JAX's defaults.
+
+    Attributes:
+      mesh: the `jax.sharding.Mesh`, axes ``("data", "fsdp", "tensor")``.
+      axis_name: the mesh axes the replicas span, e.g. ``("data",)`` or
+        ``("data", "fsdp")`` (those of size > 1; ``("data",)`` on one device):
+        the one name to pass to ``lax.psum``/``pmean``/``axis_index`` and
+        ``nn.BatchNorm(axis_name=...)``, valid under `run` and `compile`.
+      num_replicas: how many replicas `run` runs (the size of ``axis_name``).
+      precision: the `Policy`.
+      batch_sharding: how `shard_batch` splits a batch over the replicas.
+      mirrored_sharding: a value mirrored on every device.
 
     Example::
 
@@ -84,14 +108,17 @@ class Replicator:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}.")
         self.mesh = build_mesh(devices, mesh)
         self.precision = get_policy(precision)
-        self.axis_names: tuple[str, ...] = DATA_AXES
+        # Only axes of size > 1: a value split over them varies exactly there.
+        self.axis_name: tuple[str, ...] = tuple(
+            a for a in DATA_AXES if self.mesh.shape[a] > 1
+        ) or DATA_AXES[:1]
         self.num_replicas: int = math.prod(self.mesh.shape[a] for a in DATA_AXES)
-        self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXES))
+        self.batch_sharding = NamedSharding(self.mesh, P(self.axis_name))
         self.mirrored_sharding = NamedSharding(self.mesh, P())
         self._in_flight = _StepsInFlight(max_steps_in_flight)
         devices = list(self.mesh.devices.flat)
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
-        self._run_cache: dict[Any, Callable] = {}
+        self._run_cache: dict[Any, tuple[Callable, dict]] = {}
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -136,10 +163,51 @@ class Replicator:
                 f"replicas; use a batch size that is a multiple of {self.num_replicas}, or "
                 "pad the batch and pass a mask as sample_weight."
             )
-        return jax.tree.map(
+        batch = jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
             host_batch,
         )
+        if global_size == self.num_replicas:
+            # One example per replica looks like a per-replica value: remember it is not.
+            for x in jax.tree.leaves(batch):
+                pr.remember(x, Kind.BATCH)
+        return batch
+
+    def process_rows(self, global_batch_size: int) -> slice:
+        """The rows of each global batch that this process passes to `shard_batch`.
+
+        In a multi-process run every process feeds its own part of the global
+        batch: ``repl.shard_batch(global_batch[repl.process_rows(len(global_batch))])``
+        on every process assembles exactly ``global_batch``. With one process it
+        is every row.
+
+        Args:
+          global_batch_size: the rows of the global batch, a multiple of the
+            number of processes and of `num_replicas`.
+
+        Returns:
+          A ``slice`` of ``global_batch_size // jax.process_count()`` rows.
+
+        >>> rp.Replicator().process_rows(16)
+        slice(0, 16, None)
+        """
+        processes = jax.process_count()
+        for count, what in ((processes, "processes"), (self.num_replicas, "replicas")):
+            if global_batch_size <= 0 or global_batch_size % count:
+                raise ValueError(
+                    f"A global batch of {global_batch_size} rows does not split evenly over "
+                    f"{count} {what}; use a multiple of "
+                    f"{math.lcm(processes, self.num_replicas)}."
+                )
+        indices = self.batch_sharding.addressable_devices_indices_map((global_batch_size,))
+        rows = sorted({idx[0].indices(global_batch_size)[:2] for idx in indices.values()})
+        start, stop = rows[0][0], rows[-1][1]
+        if sum(b - a for a, b in rows) != stop - start:
+            raise ValueError(
+                f"Process {jax.process_index()} holds rows {rows} of the batch, which are "
+                "not contiguous; build the Replicator with devices ordered by process."
+            )
+        return slice(start, stop)
 
     def distribute(self, batches: Iterable[PyTree], prefetch: int = 2) -> Iterator[PyTree]:
         """Turns an iterable of host batches into global batches, prefetched.
@@ -187,15 +255,24 @@ class Replicator:
     def run(self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()) -> PyTree:
         """Runs ``fn`` once per replica, as one compiled SPMD program.
 
-        Array arguments split on the data axes (from `shard_batch`/`distribute`)
-        are split: each replica sees its local shard. Every other argument is
-        mirrored. Inside ``fn``, `compute_average_loss` knows the global batch and
-        `get_replica_context` says where it runs.
+        Each argument leaf reaches the replicas in one of three ways:
+
+        * a batch split over the replicas (from `shard_batch`/`distribute`): each
+          replica sees its own slice;
+        * a per-replica value (an output of `run` that varied per replica, or a
+          value marked `PerReplica`), stacked ``[num_replicas, ...]``: each replica
+          sees its own row, without the leading axis;
+        * anything else is mirrored: every replica sees all of it.
+
+        Inside ``fn``, `compute_average_loss` knows the global batch,
+        `get_replica_context` says which replica this is and `replica_key` gives
+        it keys of its own; collectives take `axis_name`.
 
         Output leaves that are the same on every replica (e.g. parameters updated
         from all-reduced gradients) come back mirrored, with their own shape;
         leaves that vary come back stacked on a new leading axis of size
-        `num_replicas` (per-replica values, see `reduce`).
+        `num_replicas` (per-replica values: see `reduce`), and passed back into
+        ``run`` they round-trip.
 
         ``fn`` is traced and compiled once per argument structure and shape;
         call `run` with the same function object every step.
@@ -208,9 +285,19 @@ class Replicator:
 
         Returns:
           ``fn``'s outputs, as global arrays.
+
+        Raises:
+          ValueError: a per-replica value does not have one row per replica, or
+            an array split over the replicas with exactly ``num_replicas`` rows
+            is neither a known batch nor a known per-replica value.
+          AxisNameError: ``fn`` used a collective over an axis that is not
+            `axis_name`.
         """
-        step, flat = self._run_step(fn, args, donate_argnums)
-        return self._in_flight.dispatch(step, *flat)
+        step, meta, flat = self._run_step(fn, args, donate_argnums)
+        out = self._in_flight.dispatch(step, *flat)
+        for i in meta["per_replica"]:
+            pr.remember(out[i], Kind.PER_REPLICA)
+        return jax.tree.unflatten(meta["tree"], out)
 
     def lower(
         self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()
@@ -222,45 +309,94 @@ class Replicator:
         per device, ``as_text()`` the HLO. Arguments only need the shapes and
         shardings of real ones (donated arrays do).
         """
-        step, flat = self._run_step(fn, args, donate_argnums)
+        step, _, flat = self._run_step(fn, args, donate_argnums)
         return step.lower(*flat)
 
     def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
-        flat, treedef = jax.tree.flatten(args)
-        in_specs = tuple(self._spec_of(x) for x in flat)
+        flat, treedef = jax.tree.flatten(args, is_leaf=_is_marked)
+        if any(type(x) is PerReplica for x in flat):
+            args = self._place_marked(args)
+            flat, treedef = jax.tree.flatten(args)
+        kinds = tuple(self._kind_of(x, args, i) for i, x in enumerate(flat))
         donate = tuple(sorted(donate_argnums))
-        key = (fn, treedef, in_specs, donate)
-        step = self._run_cache.get(key)
-        if step is None:
-            leaf_donate = _leaf_positions(args, donate)
+        key = (fn, treedef, kinds, donate)
+        entry = self._run_cache.get(key)
+        if entry is None:
+            meta: dict[str, Any] = {}
             step = jax.jit(
-                self._per_replica(fn, treedef, in_specs),
-                donate_argnums=leaf_donate,
+                self._per_replica(fn, treedef, kinds, meta),
+                donate_argnums=_leaf_positions(args, donate),
                 compiler_options=self._compiler_options,
             )
-            self._run_cache[key] = step
-        return step, flat
+            entry = self._run_cache[key] = (step, meta)
+        return entry[0], entry[1], flat
 
-    def _spec_of(self, x: Any) -> P:
+    def _kind_of(self, x: Any, args: tuple, index: int) -> Kind:
         sharding = getattr(x, "sharding", None)
-        if (
+        if not (
             isinstance(sharding, NamedSharding)
-            and np.ndim(x) >= 1
+            and sharding.spec
+            and _as_tuple(sharding.spec[0]) in (self.axis_name, DATA_AXES)
             and sharding.mesh.axis_names == self.mesh.axis_names
-            and _as_tuple(sharding.spec[0] if sharding.spec else None) == DATA_AXES
         ):
-            return P(DATA_AXES)
-        return P()
+            return Kind.MIRRORED
+        kind = pr.known_kind(x)
+        rows = x.shape[0]
+        if kind is Kind.PER_REPLICA and rows != self.num_replicas:
+            raise ValueError(
+                f"run: argument {_leaf_path(args, index)} is a per-replica value with {rows} "
+                f"rows, but this Replicator has {self.num_replicas} replicas (one row per "
+                f"replica). It was made for {rows} replicas: reduce it there, or rebuild it "
+                f"with {self.num_replicas} rows and pass rp.PerReplica(value)."
+            )
+        if kind is None and rows == self.num_replicas:
+            raise ValueError(
+                f"run: argument {_leaf_path(args, index)} (shape {x.shape}) is split over "
+                f"the {self.num_replicas} replicas with one row each: it could be a batch of "
+                f"{rows} examples or a per-replica value, and run cannot tell which. Pass "
+                "rp.PerReplica(value) for a per-replica value (each replica gets its row), "
+                "or make the batch with repl.shard_batch (each replica gets a slice)."
+            )
+        return kind or Kind.BATCH
 
-    def _per_replica(self, fn: Callable, treedef, in_specs: tuple[P, ...]) -> Callable:
-        ctx = ReplicaContext(self.num_replicas, DATA_AXES)
+    def _place_marked(self, args: tuple) -> tuple:
+        """Replaces each `PerReplica` by its leaves, split one row per replica."""
+
+        def place(x):
+            rows = np.shape(x)[0] if np.ndim(x) else None
+            if rows != self.num_replicas:
+                raise ValueError(
+                    f"rp.PerReplica needs one row per replica: a leading axis of size "
+                    f"{self.num_replicas}, got shape {np.shape(x)}."
+                )
+            if getattr(x, "sharding", None) != self.batch_sharding:
+                if isinstance(x, jax.Array) and x.is_fully_addressable:
+                    x = jax.device_put(x, self.batch_sharding)
+                else:
+                    host = np.asarray(x)
+                    x = jax.make_array_from_callback(
+                        host.shape, self.batch_sharding, lambda index: host[index]
+                    )
+            pr.remember(x, Kind.PER_REPLICA)
+            return x
+
+        def unwrap(x):
+            return jax.tree.map(place, x.values) if isinstance(x, PerReplica) else x
+
+        return jax.tree.map(unwrap, args, is_leaf=_is_marked)
+
+    def _per_replica(self, fn: Callable, treedef, kinds: tuple[Kind, ...], meta: dict):
+        axes = self.axis_name
+        ctx = ReplicaContext(self.num_replicas, axes)
+        in_specs = tuple(P() if k is Kind.MIRRORED else P(axes) for k in kinds)
         shard_map = lambda body, out_specs: jax.shard_map(
             body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
         )
 
         def call(*flat):
+            rows = [x[0] if k is Kind.PER_REPLICA else x for x, k in zip(flat, kinds)]
             with replica_context(ctx):
-                out = fn(*jax.tree.unflatten(treedef, flat))
+                out = fn(*jax.tree.unflatten(treedef, rows))
             return jax.tree.flatten(out)
 
         def run_all_replicas(*flat):
@@ -269,30 +405,71 @@ class Replicator:
 
             def probe(*flat):
                 leaves, found["tree"] = call(*flat)
-                found["varying"] = [_is_varying(x, DATA_AXES) for x in leaves]
+                found["varying"] = [_is_varying(x, axes) for x in leaves]
                 return ()
 
-            jax.eval_shape(shard_map(probe, ()), *flat)
+            try:
+                jax.eval_shape(shard_map(probe, ()), *flat)
+            except (AssertionError, NameError) as e:
+                self._raise_for_axis_names(e, call, flat, kinds)
+                raise
             varying = found["varying"]
 
             def body(*flat):
                 leaves, _ = call(*flat)
-                return tuple(_stack(x) if v else x for x, v in zip(leaves, varying))
+                return tuple(_stack(x, axes) if v else x for x, v in zip(leaves, varying))
 
-            out_specs = tuple(P(DATA_AXES) if v else P() for v in varying)
-            return jax.tree.unflatten(found["tree"], shard_map(body, out_specs)(*flat))
+            out_specs = tuple(P(axes) if v else P() for v in varying)
+            meta["tree"] = found["tree"]
+            meta["per_replica"] = [i for i, v in enumerate(varying) if v]
+            return shard_map(body, out_specs)(*flat)
 
         # Named after the step in compile logs, profiles and HLO dumps: jit_run_<fn>.
         run_all_replicas.__name__ = f"run_{getattr(fn, '__name__', 'step')}"
         return run_all_replicas
 
+    def _raise_for_axis_names(self, error: Exception, call, flat, kinds) -> None:
+        """Turns a collective over an axis that is not the replicas' into an `AxisNameError`.
+
+        Inside ``shard_map`` such a collective fails with a bare assertion; traced
+        again outside it, with the replica axes bound, it names the axis.
+        """
+        if isinstance(error, AxisNameError):
+            raise error
+        local = []
+        for x, kind in zip(flat, kinds):
+            shape = x.shape
+            if kind is Kind.BATCH:
+                shape = (shape[0] // self.num_replicas, *shape[1:])
+            elif kind is Kind.PER_REPLICA:
+                shape = shape[1:]
+            local.append(jax.ShapeDtypeStruct(shape, x.dtype))
+        try:
+            jax.eval_shape(_bind_axes(lambda *xs: call(*xs)[0], self.axis_name), *local)
+        except NameError as e:
+            name = _unbound_axis(e)
+            if name is not None and name not in self.axis_name:
+                raise self._axis_error(name, "run") from error
+        except Exception:  # noqa: BLE001  (only a diagnosis; the original error stands)
+            pass
+
+    def _axis_error(self, name: str, path: str) -> AxisNameError:
+        return AxisNameError(
+            f"The step passes axis name {name!r} to a collective (lax.psum, pmean, "
+            f"axis_index, all_gather, nn.BatchNorm(axis_name=...)) under repl.{path}, but "
+            f"the replicas' axis is repl.axis_name = {self.axis_name!r}. Pass repl.axis_name "
+            "(or rp.get_replica_context().axis_name) instead of a hard-coded name."
+        )
+
     def reduce(self, op: ReduceOp, value: PyTree) -> PyTree:
         """Combines per-replica values.
 
         Outside `run`, ``value`` is what `run` returned for varying outputs: each
-        leaf stacked on a leading axis of size `num_replicas`, and the result has
-        that axis summed (or averaged) away. Inside `run` it is the cross-replica
-        all-reduce of the replica's own value (``psum``/``pmean``).
+        leaf stacked on a leading axis of size `num_replicas` (or a `PerReplica`),
+        and the result has that axis summed (or averaged) away. Inside `run` it is
+        the cross-replica all-reduce of the replica's own value (``psum``/``pmean``);
+        inside a step under `compile`, where one replica holds the whole batch, it
+        returns ``value`` unchanged.
 
         Args:
           op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
@@ -302,9 +479,13 @@ class Replicator:
           The reduced pytree; the same value for every replica.
         """
         op = ReduceOp(op)
-        if get_replica_context() is not None:
+        ctx = get_replica_context()
+        if ctx is not None:
             collective = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
-            return jax.tree.map(lambda x: collective(_vary(x, DATA_AXES), DATA_AXES), value)
+            axes = ctx.axis_name
+            return jax.tree.map(lambda x: collective(_vary(x, axes), axes), value)
+        if in_global_view():
+            return value
 
         def reduce_leaf(x):
             if np.ndim(x) < 1 or np.shape(x)[0] != self.num_replicas:
@@ -318,6 +499,9 @@ class Replicator:
             total = jnp.sum(x, axis=0)
             return total if op is ReduceOp.SUM else total / self.num_replicas
 
+        value = jax.tree.map(
+            lambda x: x.values if isinstance(x, PerReplica) else x, value, is_leaf=_is_marked
+        )
         return jax.tree.map(reduce_leaf, value)
 
     def wrap_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -328,7 +512,15 @@ class Replicator:
         `compile` the wrapper changes nothing, so one step function serves both
         paths. The optimizer state is exactly ``tx``'s. See `replicator.optim`.
         """
-        return optim.wrap_optimizer(tx, DATA_AXES)
+        return optim.wrap_optimizer(tx, self.axis_name)
+
+    def apply_policy(self, model: Any) -> Any:
+        """``model`` (a Flax linen module) under this Replicator's precision policy.
+
+        With ``precision="bf16"`` the model computes in bfloat16 from float32
+        parameters and returns float32 outputs; see `rp.apply_policy`.
+        """
+        return apply_policy(model, self.precision)
 
     # -------------------------------------------------------- global-view path
 
@@ -345,8 +537,12 @@ class Replicator:
         """Compiles ``fn`` for the global view: `jax.jit` over this mesh (pjit).
 
         ``fn`` sees global arrays; batches from `shard_batch` stay split over the
-        data axes and the compiler inserts the collectives. Calls are bounded in
-        flight like `run`.
+        data axes and the compiler inserts the collectives. The global view is one
+        replica holding the whole batch: collectives over `axis_name` act over
+        that one replica (``psum``/``pmean`` return their input, ``axis_index`` is
+        0), so a step written for `run` (e.g. with
+        ``nn.BatchNorm(axis_name=repl.axis_name)``) runs here unchanged and
+        computes the same numbers. Calls are bounded in flight like `run`.
 
         Args:
           fn: the step function.
@@ -360,24 +556,43 @@ class Replicator:
           A callable with ``fn``'s signature. Its ``lower(*args)`` lowers the
           program for those arguments, like `Replicator.lower` for `run`.
         """
-        jitted = jax.jit(
-            fn,
+        jit = functools.partial(
+            jax.jit,
             donate_argnums=donate_argnums,
             in_shardings=in_shardings,
             out_shardings=out_shardings,
             static_argnums=static_argnums,
             compiler_options={**(self._compiler_options or {}), **(compiler_options or {})} or None,
         )
+        plain = jit(_in_global_view(fn))
+        current = [plain]
+
+        def traced(call: Callable) -> Any:
+            # A step without collectives compiles exactly as jax.jit(fn). One that uses
+            # the replica axes is traced again with them bound to a single replica.
+            try:
+                return call(current[0])
+            except AxisNameError:
+                raise
+            except NameError as e:
+                name = _unbound_axis(e)
+                if name is None:
+                    raise
+                if name not in self.axis_name or current[0] is not plain:
+                    raise self._axis_error(name, "compile") from e
+                current[0] = step.jitted = jit(_in_global_view(_bind_axes(fn, self.axis_name)))
+                return call(current[0])
 
         def step(*args, **kwargs):
             with jax.set_mesh(self.mesh):
-                return self._in_flight.dispatch(jitted, *args, **kwargs)
+                return traced(lambda jitted: self._in_flight.dispatch(jitted, *args, **kwargs))
 
         def lower(*args, **kwargs) -> jax.stages.Lowered:
             with jax.set_mesh(self.mesh):
-                return jitted.lower(*args, **kwargs)
+                return traced(lambda jitted: jitted.lower(*args, **kwargs))
 
-        step.jitted, step.lower = jitted, lower
+        step.jitted, step.lower = plain, lower  # jitted: the jax.jit object in use
+        step.__name__ = getattr(fn, "__name__", "step")
         return step
 
     def wait(self) -> None:
@@ -402,6 +617,16 @@ def _leaf_positions(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:
     return tuple(positions)
 
 
+def _leaf_path(args: tuple, index: int) -> str:
+    """Names leaf ``index`` of ``run``'s arguments, e.g. ``args[1]['ema']``."""
+    path, _ = jax.tree_util.tree_flatten_with_path(args)[0][index]
+    return "args" + jax.tree_util.keystr(path)
+
+
+def _is_marked(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
 def _is_varying(x: Any, axes: Sequence[str]) -> bool:
     return bool(set(jax.typeof(x).manual_axis_type.varying) & set(axes))
 
@@ -411,8 +636,45 @@ def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _stack(x: jax.Array) -> jax.Array:
-    return _vary(jnp.asarray(x), DATA_AXES)[None]
+def _stack(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    return _vary(jnp.asarray(x), axes)[None]
+
+
+def _in_global_view(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def global_step(*args, **kwargs):
+        with global_view():
+            return fn(*args, **kwargs)
+
+    return global_step
+
+
+def _bind_axes(fn: Callable, axes: Sequence[str]) -> Callable:
+    """``fn`` with each of ``axes`` bound as a named axis of size 1 (one replica).
+
+    A collective over them then acts over that single replica: ``psum`` and
+    ``pmean`` return their input, ``axis_index`` is 0, ``all_gather`` adds an axis
+    of size 1.
+    """
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        one = lambda _: fn(*args, **kwargs)
+        for name in reversed(axes):
+            one = jax.vmap(one, axis_name=name)
+        out = one(jnp.zeros((1,) * len(axes)))
+        return jax.tree.map(lambda x: x.reshape(x.shape[len(axes) :]), out)
+
+    return bound
+
+
+_UNBOUND = re.compile(r"unbound axis name:?\s*'?([^\s.,']+)")
+
+
+def _unbound_axis(error: NameError) -> str | None:
+    """The axis named by JAX's "unbound axis name" error, or None for other NameErrors."""
+    match = _UNBOUND.search(str(error))
+    return match.group(1) if match else None
 
 
 class _StepsInFlight:

@@ -4,6 +4,10 @@
 (microbatches, loss scale) and `TrainState.apply_gradients` applies the update
 unless the gradients are not finite. Step functions written with them need no
 change for gradient accumulation or fp16.
+
+Non-trainable model state (BatchNorm's ``batch_stats``, counters) lives in
+``model_state``: the loss function receives it and returns its new value, which
+is averaged over microbatches and kept when an update is skipped.
 """
 
 from __future__ import annotations
@@ -17,20 +21,22 @@ import optax
 from flax import struct
 
 from replicator.context import get_replica_context, microbatching
-from replicator.precision import LossScale
+from replicator.precision import LossScale, Policy, get_policy
 
 PyTree = Any
 
 
 @struct.dataclass
 class TrainState:
-    """Parameters, optimizer state, counters and RNG key of a run.
+    """Parameters, optimizer state, model state, counters and RNG key of a run.
 
     Attributes:
       step: how many steps have run (an int32 array), skipped ones included.
       params: the model parameters (stored in the policy's param dtype).
       opt_state: the optimizer's state.
       rng: a `jax.random.key`; fold in ``step`` for per-step randomness.
+      model_state: non-trainable model state, e.g. Flax's ``{"batch_stats": ...}``,
+        or None. Checkpointed with the rest.
       loss_scale: the dynamic loss scale (fp16), or None.
       skipped_steps: how many updates were skipped for non-finite gradients.
       grad_accum_steps: microbatches each replica's batch is split into.
@@ -40,6 +46,7 @@ class TrainState:
     params: PyTree
     opt_state: PyTree
     rng: jax.Array
+    model_state: PyTree = None
     loss_scale: LossScale | None = None
     skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.int32(0))
     grad_accum_steps: int = struct.field(pytree_node=False, default=1)
@@ -51,15 +58,35 @@ class TrainState:
         tx: optax.GradientTransformation,
         rng: jax.Array,
         *,
+        model_state: PyTree = None,
+        policy: Policy | str | None = None,
         loss_scale: LossScale | None = None,
         grad_accum_steps: int = 1,
     ) -> TrainState:
-        """A fresh state at step 0."""
+        """A fresh state at step 0.
+
+        Args:
+          params: the initial parameters.
+          tx: the (wrapped) optimizer; its state is initialised here.
+          rng: a PRNG key for the run.
+          model_state: non-trainable model state, e.g. ``{"batch_stats": ...}``.
+          policy: a precision policy (e.g. ``repl.precision``): parameters are
+            stored in its ``param_dtype``, and a policy that needs loss scaling
+            (fp16) gets a dynamic `LossScale` unless ``loss_scale`` is given.
+          loss_scale: an explicit loss scale.
+          grad_accum_steps: microbatches per replica batch (see `value_and_grad`).
+        """
+        if policy is not None:
+            policy = get_policy(policy)
+            params = policy.cast_to_param(params)
+            if policy.loss_scaling and loss_scale is None:
+                loss_scale = LossScale.create()
         return cls(
             step=jnp.int32(0),
             params=params,
             opt_state=tx.init(params),
             rng=rng,
+            model_state=model_state,
             loss_scale=loss_scale,
             grad_accum_steps=grad_accum_steps,
         )
@@ -81,41 +108,71 @@ class TrainState:
         loss and gradient (not a mean of microbatch means). Inside `Replicator.run`
         the gradients are all-reduced once, after the loop.
 
+        With a ``model_state``, ``loss_fn(params, model_state, batch)`` returns
+        ``(loss, new_model_state)`` (or ``(loss, (new_model_state, aux))`` with
+        ``has_aux``); every microbatch starts from the same ``model_state`` and
+        the new states are averaged over the microbatches, never summed. Pass the
+        result to `apply_gradients`.
+
         With a loss scale, the loss is scaled before differentiation and the
         gradients unscaled after; the loss returned is unscaled.
 
         Args:
           loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)`` with
-            ``has_aux``; ``aux`` leaves must be sums (they are added up).
+            ``has_aux``; with a model state, as above. ``aux`` leaves must be
+            sums (they are added up).
           batch: this replica's batch.
-          has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+          has_aux: whether ``loss_fn`` returns ``aux``.
 
         Returns:
-          ``(loss, grads)`` or ``((loss, aux), grads)``.
+          ``(value, grads)``, where ``value`` has the structure of ``loss_fn``'s
+          result: ``loss``, ``(loss, aux)``, ``(loss, new_model_state)`` or
+          ``(loss, (new_model_state, aux))``.
         """
         scale = self.loss_scale
+        with_state = self.model_state is not None
 
         def scaled_loss(params, microbatch):
-            out = loss_fn(params, microbatch)
-            loss, aux = out if has_aux else (out, None)
-            return (scale.scale_loss(loss) if scale else loss), (loss, aux)
+            if with_state:
+                loss, rest = loss_fn(params, self.model_state, microbatch)
+                new_state, aux = rest if has_aux else (rest, None)
+            else:
+                out = loss_fn(params, microbatch)
+                (loss, aux), new_state = (out if has_aux else (out, None)), None
+            return (scale.scale_loss(loss) if scale else loss), (loss, new_state, aux)
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
         k = self.grad_accum_steps
         if k == 1:
-            grads, (loss, aux) = grad_fn(self.params, batch)
+            grads, (loss, new_state, aux) = grad_fn(self.params, batch)
         else:
-            grads, (loss, aux) = _accumulate(grad_fn, self.params, batch, k)
+            grads, (loss, new_state, aux) = _accumulate(grad_fn, self.params, batch, k)
         if scale:
             grads = scale.unscale(grads)
-        return ((loss, aux) if has_aux else loss), grads
+        if with_state:
+            value = (loss, (new_state, aux) if has_aux else new_state)
+        else:
+            value = (loss, aux) if has_aux else loss
+        return value, grads
 
-    def apply_gradients(self, grads: PyTree, tx: optax.GradientTransformation) -> TrainState:
+    def apply_gradients(
+        self,
+        grads: PyTree,
+        tx: optax.GradientTransformation,
+        *,
+        model_state: PyTree = None,
+    ) -> TrainState:
         """One optimizer update, skipped when any gradient is not finite.
 
-        A skipped step leaves parameters and optimizer state exactly as they were,
-        counts in ``skipped_steps`` and halves the loss scale; the decision is the
-        same on every replica because the gradients are all-reduced first.
+        A skipped step leaves parameters, optimizer state and model state exactly
+        as they were, counts in ``skipped_steps`` and halves the loss scale; the
+        decision is the same on every replica because the gradients are
+        all-reduced first.
+
+        Args:
+          grads: the gradients, from `value_and_grad`.
+          tx: the (wrapped) optimizer.
+          model_state: the new model state from `value_and_grad`, if any.
         """
 
         def update(params, opt_state):
@@ -128,10 +185,17 @@ class TrainState:
         params, opt_state = jax.lax.cond(
             finite, update, lambda p, o: (p, o), self.params, self.opt_state
         )
+        if model_state is None:
+            model_state = self.model_state
+        elif self.model_state is not None:  # small (statistics): a select is cheaper than widening the branch
+            model_state = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old), model_state, self.model_state
+            )
         return self.replace(
             step=self.step + 1,
             params=params,
             opt_state=opt_state,
+            model_state=model_state,
             loss_scale=self.loss_scale.update(finite) if self.loss_scale else None,
             skipped_steps=self.skipped_steps + (~finite).astype(jnp.int32),
         )
@@ -156,7 +220,7 @@ def _accumulate(grad_fn, params, batch, k):
     if ctx is not None:
         # Per-replica gradients: sum locally over the microbatches and all-reduce once,
         # instead of once per microbatch.
-        params = jax.tree.map(lambda p: _vary(p, ctx.axis_names), params)
+        params = jax.tree.map(lambda p: _vary(p, ctx.axis_name), params)
     with microbatching(k):
         first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
 
@@ -164,10 +228,12 @@ def _accumulate(grad_fn, params, batch, k):
             return jax.tree.map(jnp.add, total, grad_fn(params, microbatch)), None
 
         total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
-    grads, (loss, aux) = total
+    grads, (loss, new_state, aux) = total
+    # Every microbatch started from the same model state: their new states average.
+    new_state = jax.tree.map(lambda x: (x / k).astype(x.dtype), new_state)
     if ctx is not None:
-        grads = jax.lax.psum(grads, ctx.axis_names)
-    return grads, (loss, aux)
+        grads = jax.lax.psum(grads, ctx.axis_name)
+    return grads, (loss, new_state, aux)
 
 
 def _vary(x: jax.Array, axes) -> jax.Array:

@@ -8,7 +8,10 @@ import pytest
 import replicator as rp
 
 PUBLIC = [
+    "AxisNameError",
+    "Checkpoints",
     "LossScale",
+    "PerReplica",
     "Policy",
     "ReduceOp",
     "ReplicaContext",
@@ -18,6 +21,8 @@ PUBLIC = [
     "compute_average_loss",
     "get_replica_context",
     "global_sum",
+    "initialize",
+    "replica_key",
     "scale_regularization_loss",
 ]
 
@@ -40,13 +45,27 @@ def test_replicator_methods_of_the_contract():
         "reduce",
         "wrap_optimizer",
         "compile",
+        "axis_name",
+        "process_rows",
+        "apply_policy",
     ]:
         assert hasattr(rp.Replicator(), name), name
 
 
-@pytest.mark.parametrize("module", ["replicator.losses", "replicator.mesh", "replicator.precision"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "replicator.losses",
+        "replicator.mesh",
+        "replicator.precision",
+        "replicator.context",
+        "replicator.replicator",
+    ],
+)
 def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": rp.losses.jnp})
+    result = doctest.testmod(
+        importlib.import_module(module), extraglobs={"jnp": rp.losses.jnp, "rp": rp}
+    )
     assert result.failed == 0
 
 

@@ -140,7 +140,7 @@ def test_an_extra_psum_would_be_caught():
     def wrong_step(state, batch):
         params, opt_state = state
         grads = jax.grad(lambda p: rp.compute_average_loss(per_example_loss(p, batch)))(params)
-        grads = jax.lax.psum(grads, repl.axis_names)  # the classic mistake
+        grads = jax.lax.psum(grads, repl.axis_name)  # the classic mistake
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -200,7 +200,7 @@ def test_one_compile_per_step_function():
     for _ in range(4):
         w = repl.run(step, w, repl.shard_batch(np.ones(8, np.float32)))
     assert len(repl._run_cache) == 1
-    (jitted,) = repl._run_cache.values()
+    ((jitted, _),) = repl._run_cache.values()
     assert jitted._cache_size() == 1
     assert len(traces) == 2  # one probe of which outputs vary, one real trace
 
