@@ -109,9 +109,9 @@ class Replicator:
         self.mesh = build_mesh(devices, mesh)
         self.precision = get_policy(precision)
         # Only axes of size > 1: a value split over them varies exactly there.
-        self.axis_name: tuple[str, ...] = tuple(
-            a for a in DATA_AXES if self.mesh.shape[a] > 1
-        ) or DATA_AXES[:1]
+        self.axis_name: tuple[str, ...] = (
+            tuple(a for a in DATA_AXES if self.mesh.shape[a] > 1) or DATA_AXES[:1]
+        )
         self.num_replicas: int = math.prod(self.mesh.shape[a] for a in DATA_AXES)
         self.batch_sharding = NamedSharding(self.mesh, P(self.axis_name))
         self.mirrored_sharding = NamedSharding(self.mesh, P())

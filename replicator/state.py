@@ -187,7 +187,8 @@ class TrainState:
         )
         if model_state is None:
             model_state = self.model_state
-        elif self.model_state is not None:  # small (statistics): a select is cheaper than widening the branch
+        elif self.model_state is not None:
+            # Statistics are small: a select costs less than widening the branch.
             model_state = jax.tree.map(
                 lambda new, old: jnp.where(finite, new, old), model_state, self.model_state
             )
