@@ -33,7 +33,6 @@ class Kind(enum.IntEnum):
     PER_REPLICA = 2  # one row per replica: each replica sees its row, without the axis
 
 
-@jax.tree_util.register_pytree_node_class
 class PerReplica:
     """Marks a pytree as per-replica values: every leaf has one row per replica.
 
@@ -53,19 +52,14 @@ class PerReplica:
       counts = repl.run(lambda c, b: c + 1, counts, batch)  # each replica: shape ()
     """
 
+    # Deliberately not a pytree node: to `jax.tree` functions it is one leaf, so
+    # `run` spots it in the flat argument list it builds anyway, at no extra cost.
+
     def __init__(self, values: PyTree):
         self.values = values
 
     def __repr__(self) -> str:
         return f"PerReplica({self.values!r})"
-
-    def tree_flatten(self):
-        return (self.values,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(children[0])
 
 
 # id(array) -> (weak reference, kind) for arrays whose role this process knows:

@@ -313,7 +313,7 @@ class Replicator:
         return step.lower(*flat)
 
     def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
-        flat, treedef = jax.tree.flatten(args, is_leaf=_is_marked)
+        flat, treedef = jax.tree.flatten(args)
         if any(type(x) is PerReplica for x in flat):
             args = self._place_marked(args)
             flat, treedef = jax.tree.flatten(args)
@@ -383,7 +383,7 @@ class Replicator:
         def unwrap(x):
             return jax.tree.map(place, x.values) if isinstance(x, PerReplica) else x
 
-        return jax.tree.map(unwrap, args, is_leaf=_is_marked)
+        return jax.tree.map(unwrap, args)
 
     def _per_replica(self, fn: Callable, treedef, kinds: tuple[Kind, ...], meta: dict):
         axes = self.axis_name
@@ -499,9 +499,7 @@ class Replicator:
             total = jnp.sum(x, axis=0)
             return total if op is ReduceOp.SUM else total / self.num_replicas
 
-        value = jax.tree.map(
-            lambda x: x.values if isinstance(x, PerReplica) else x, value, is_leaf=_is_marked
-        )
+        value = jax.tree.map(lambda x: x.values if isinstance(x, PerReplica) else x, value)
         return jax.tree.map(reduce_leaf, value)
 
     def wrap_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -621,10 +619,6 @@ def _leaf_path(args: tuple, index: int) -> str:
     """Names leaf ``index`` of ``run``'s arguments, e.g. ``args[1]['ema']``."""
     path, _ = jax.tree_util.tree_flatten_with_path(args)[0][index]
     return "args" + jax.tree_util.keystr(path)
-
-
-def _is_marked(x: Any) -> bool:
-    return isinstance(x, PerReplica)
 
 
 def _is_varying(x: Any, axes: Sequence[str]) -> bool:
