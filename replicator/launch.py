@@ -1,10 +1,15 @@
 """Launchers: the same command on several local processes, a Cloud TPU pod or SLURM.
 
-``python -m replicator launch local --processes 2 --devices-per-process 4 -- train ...``
+``python -m replicator launch local --processes 2 --devices-per-process 4 -- COMMAND``
 starts the processes on 127.0.0.1 with fake CPU devices and gloo collectives:
 the code path of a real pod, on one machine. ``launch tpu`` and ``launch slurm``
 run (or, with ``--dry-run``, print) the commands for real clusters; there JAX's
 own cluster detection gives each process its id and the coordinator.
+
+COMMAND is a replicator subcommand (``train ...``, ``eval ...``, ``plot ...``),
+run as ``python -m replicator train ...``, or any command, e.g. ``python
+my_script.py ARGS`` for a custom loop that calls ``rp.initialize()`` first; see
+`resolve_command`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +27,41 @@ import time
 from collections.abc import Sequence
 
 from replicator.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+# First words that mean ``python -m replicator <word>`` (the CLI's subcommands).
+REPLICATOR_COMMANDS = ("train", "eval", "plot")
+# First words replaced by the launcher's interpreter (locally: this virtualenv's).
+PYTHON_NAMES = ("python", "python3")
+
+
+def resolve_command(command: Sequence[str], python: str) -> list[str]:
+    """The command each process runs.
+
+    Args:
+      command: the words after ``--``.
+      python: the interpreter to run Python with (``sys.executable`` locally,
+        ``.venv/bin/python`` on a cluster).
+
+    Returns:
+      ``python -m replicator COMMAND`` when the first word is a replicator
+      subcommand; ``COMMAND`` with a first word ``python``/``python3`` replaced
+      by ``python``; any other command as given.
+
+    >>> resolve_command(["train", "--config", "c.py"], "/venv/bin/python")
+    ['/venv/bin/python', '-m', 'replicator', 'train', '--config', 'c.py']
+    >>> resolve_command(["python", "my_script.py", "out"], "/venv/bin/python")
+    ['/venv/bin/python', 'my_script.py', 'out']
+    >>> resolve_command(["bash", "run.sh"], "/venv/bin/python")
+    ['bash', 'run.sh']
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("No command to launch; give it after --, e.g. -- python my_script.py.")
+    if command[0] in REPLICATOR_COMMANDS:
+        return [python, "-m", "replicator", *command]
+    if command[0] in PYTHON_NAMES:
+        return [python, *command[1:]]
+    return command
 
 
 def free_port_pair() -> int:
@@ -46,16 +87,20 @@ def launch_local(
     grace_s: float = 30.0,
     python: str = sys.executable,
 ) -> int:
-    """Runs ``python -m replicator COMMAND`` as ``processes`` local processes.
+    """Runs ``command`` (see `resolve_command`) as ``processes`` local processes.
 
-    Each process gets ``devices_per_process`` fake CPU devices. Output lines are
-    prefixed with ``[i]``. SIGTERM and SIGINT are forwarded to every process. If
-    one process fails, the others are stopped (SIGTERM, then SIGKILL after
+    The processes find each other through ``REPLICATOR_COORDINATOR``,
+    ``REPLICATOR_NUM_PROCESSES`` and ``REPLICATOR_PROCESS_ID``, which
+    ``rp.initialize()`` (and ``python -m replicator train``) read. Each process
+    gets ``devices_per_process`` fake CPU devices. Output lines are prefixed
+    with ``[i]``. SIGTERM and SIGINT are forwarded to every process. If one
+    process fails, the others are stopped (SIGTERM, then SIGKILL after
     ``grace_s``) and the exit code is non-zero.
 
     Returns:
       0 if every process succeeded, else the first failure's exit code (or 1).
     """
+    argv = resolve_command(command, python)
     port = free_port_pair()
     env = dict(os.environ)
     env.update(
@@ -68,17 +113,21 @@ def launch_local(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    procs = []
+    if shutil.which(argv[0]) is None:
+        raise FileNotFoundError(f"cannot run {argv[0]!r}: no such program on PATH.")
+    procs, readers = [], []
     for i in range(processes):
         proc = subprocess.Popen(
-            [python, "-m", "replicator", *command],
+            argv,
             env={**env, ENV_PROCESS_ID: str(i)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[{i}] "), daemon=True).start()
+        reader = threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[{i}] "), daemon=True)
+        reader.start()
         procs.append(proc)
+        readers.append(reader)
 
     def forward(signum, frame):
         del frame
@@ -88,7 +137,10 @@ def launch_local(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(procs, grace_s)
+        code = _supervise(procs, grace_s)
+        for reader in readers:  # the processes' last lines, still in the pipes
+            reader.join(timeout=5)
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -140,7 +192,8 @@ def tpu_commands(
     repo_dir: str = "~/replicator",
 ) -> list[list[str]]:
     """The gcloud commands that copy the repository to every TPU VM worker,
-    install it, and run ``python -m replicator COMMAND`` on all of them at once.
+    install it, and run ``command`` (see `resolve_command`; Python is the
+    repository's ``.venv/bin/python``) in it on all of them at once.
 
     JAX finds the workers, their ids and the coordinator on the TPU VMs itself.
     Use a ``gs://`` workdir so that every worker writes checkpoints to the same
@@ -148,7 +201,7 @@ def tpu_commands(
     """
     base = ["gcloud", "compute", "tpus", "tpu-vm"]
     where = ["--zone", zone, *(["--project", project] if project else [])]
-    remote = f"cd {repo_dir} && .venv/bin/python -m replicator {shlex.join(command)}"
+    remote = f"cd {repo_dir} && {shlex.join(resolve_command(command, '.venv/bin/python'))}"
     setup = f"cd {repo_dir} && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
     return [
         [*base, "scp", "--recurse", "--worker=all", *where, ".", f"{tpu}:{repo_dir}"],
@@ -167,7 +220,7 @@ def slurm_script(
     time_limit: str = "24:00:00",
     python: str = ".venv/bin/python",
 ) -> str:
-    """An sbatch script running ``python -m replicator COMMAND`` on ``nodes`` nodes.
+    """An sbatch script running ``command`` (see `resolve_command`) on ``nodes`` nodes.
 
     One process per GPU by default (one per node with ``process_per_gpu=False``);
     JAX reads the process ids, the count and the coordinator from SLURM's
@@ -185,9 +238,28 @@ def slurm_script(
         "#SBATCH --signal=TERM@120",
         "#SBATCH --output=%x-%j.out",
         "set -euo pipefail",
-        f"srun --kill-on-bad-exit=1 {python} -m replicator {shlex.join(command)}",
+        f"srun --kill-on-bad-exit=1 {shlex.join(resolve_command(command, python))}",
     ]
     return "\n".join(lines) + "\n"
+
+
+_COMMAND_HELP = """\
+COMMAND after -- is what every process runs:
+  train|eval|plot ARGS    python -m replicator train|eval|plot ARGS
+  python SCRIPT ARGS      any Python program, e.g. a custom loop that calls
+                          rp.initialize() first; `python`/`python3` become this
+                          interpreter locally (sys.executable, so the virtualenv
+                          is used) and .venv/bin/python on TPU VMs and SLURM
+  ANY OTHER COMMAND       run as given
+
+examples:
+  python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
+      train --config configs/digits_cnn.py --workdir runs/digits_2x4
+  python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
+      python my_script.py ARGS
+  python -m replicator launch slurm --nodes 2 --gpus-per-node 8 --dry-run -- \\
+      python my_script.py ARGS
+"""
 
 
 def main(argv: Sequence[str]) -> int:
@@ -195,17 +267,36 @@ def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     options = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="python -m replicator launch")
+    parser = argparse.ArgumentParser(
+        prog="python -m replicator launch",
+        usage="%(prog)s {local,tpu,slurm} [options] -- COMMAND [ARGS ...]",
+        description="Runs COMMAND as every process of a multi-process run.",
+        epilog=_COMMAND_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="where", required=True)
-    local = sub.add_parser("local", help="several processes on this machine (127.0.0.1)")
+
+    def add_parser(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            prog=f"python -m replicator launch {name}",
+            usage="%(prog)s [options] -- COMMAND [ARGS ...]",
+            epilog=_COMMAND_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    local = add_parser("local", "several processes on this machine (127.0.0.1)")
     local.add_argument("--processes", type=int, required=True)
-    local.add_argument("--devices-per-process", type=int, default=1)
-    tpu = sub.add_parser("tpu", help="every worker of a Cloud TPU VM pod")
+    local.add_argument(
+        "--devices-per-process", type=int, default=1, help="fake CPU devices in each process"
+    )
+    tpu = add_parser("tpu", "every worker of a Cloud TPU VM pod")
     tpu.add_argument("--tpu", required=True)
     tpu.add_argument("--zone", required=True)
     tpu.add_argument("--project")
     tpu.add_argument("--dry-run", action="store_true")
-    slurm = sub.add_parser("slurm", help="an sbatch job")
+    slurm = add_parser("slurm", "an sbatch job")
     slurm.add_argument("--nodes", type=int, required=True)
     slurm.add_argument("--gpus-per-node", type=int, required=True)
     slurm.add_argument(
@@ -216,11 +307,17 @@ def main(argv: Sequence[str]) -> int:
     slurm.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(options)
     if not command:
-        parser.error("give the replicator command after --, e.g. -- train --config FILE ...")
-    if args.where == "local":
-        return launch_local(
-            command, processes=args.processes, devices_per_process=args.devices_per_process
+        parser.error(
+            "give the command after --, e.g. -- train --config FILE ... or -- python "
+            "my_script.py ARGS"
         )
+    if args.where == "local":
+        try:
+            return launch_local(
+                command, processes=args.processes, devices_per_process=args.devices_per_process
+            )
+        except FileNotFoundError as e:
+            parser.error(str(e))
     if args.where == "tpu":
         commands = tpu_commands(command, tpu=args.tpu, zone=args.zone, project=args.project)
         for cmd in commands:

@@ -86,6 +86,7 @@ def build_mesh(
                 "devices=[] is empty; pass at least one device, or devices=None for all "
                 f"{jax.device_count()} devices."
             )
+    check_joined()
     all_devices = devices is None or len(devices) == jax.device_count()
     devices = jax.devices() if devices is None else devices
     sizes = resolve_axis_sizes(axes, len(devices))
@@ -113,6 +114,8 @@ def _create_device_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np
 ENV_COORDINATOR = "REPLICATOR_COORDINATOR"
 ENV_NUM_PROCESSES = "REPLICATOR_NUM_PROCESSES"
 ENV_PROCESS_ID = "REPLICATOR_PROCESS_ID"
+
+_joined: ProcessGroup | None = None  # what `initialize` joined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +214,105 @@ def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300
         initialization_timeout=max(int(timeout_s), 1),
         coordinator_bind_address=_bind_address(host, port),
     )
+
+
+def initialize(
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout_s: float = 300.0,
+) -> ProcessGroup | None:
+    """Joins the process group this process was started in; call it first.
+
+    A custom script run as several processes (by ``python -m replicator launch
+    local``, ``srun`` under SLURM, or on every worker of a Cloud TPU pod) calls
+    this once, before anything starts JAX's backends: before ``jax.devices()``,
+    the first array or computation, or ``rp.Replicator()``. Afterwards
+    ``jax.devices()`` and ``rp.Replicator()`` span the devices of every process.
+    The group is found as in `detect_process_group`; the processes meet at a roll
+    call and then start ``jax.distributed`` (gloo collectives on CPU; a loopback
+    coordinator listens on loopback only). For a single process this does
+    nothing; a second call returns the group joined by the first.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0; with ``num_processes``
+        and ``process_id``, overrides what the environment says.
+      num_processes: how many processes take part.
+      process_id: this process, in ``[0, num_processes)``.
+      timeout_s: how long to wait for every process to arrive.
+
+    Returns:
+      The `ProcessGroup` joined, or None for a single process.
+
+    Raises:
+      RuntimeError: JAX's backends were started before this call in a
+        multi-process run (a process can no longer join then).
+      TimeoutError: a process did not arrive within ``timeout_s``; names it.
+      ValueError: a second call names a different group than the first.
+
+    Example::
+
+      import replicator as rp
+
+      rp.initialize()          # first: before jax.devices() or rp.Replicator()
+      repl = rp.Replicator()   # every device of every process
+
+    >>> rp.initialize() is None  # one process: nothing to join
+    True
+    """
+    global _joined
+    if _joined is not None:
+        asked = (coordinator_address, num_processes, process_id)
+        have = (_joined.coordinator_address, _joined.num_processes, _joined.process_id)
+        if any(a is not None and a != h for a, h in zip(asked, have)):
+            raise ValueError(
+                f"This process already joined {_joined}; initialize() was called again with "
+                f"coordinator_address={coordinator_address}, num_processes={num_processes}, "
+                f"process_id={process_id}. A process joins one group, once."
+            )
+        return _joined
+    group = detect_process_group(coordinator_address, num_processes, process_id)
+    if group is None:
+        return None
+    if not jax.distributed.is_initialized():  # else joined already (e.g. by the CLI)
+        if _backends_are_initialized():
+            raise RuntimeError(
+                f"rp.initialize() must run before anything starts JAX's backends, but they "
+                "are running already (jax.devices(), an array, a computation or "
+                f"rp.Replicator() came first), so process {group.process_id} of "
+                f"{group.num_processes} ({group.source}) can no longer join. Call "
+                "rp.initialize() at the top of the script, right after the imports."
+            )
+        initialize_distributed(group, timeout_s=timeout_s)
+    _joined = group
+    return group
+
+
+def _backends_are_initialized() -> bool:
+    # No public API says this; it is the check jax.distributed.initialize itself
+    # makes (private, pinned jax version), made here before the roll call.
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def check_joined(environ: Mapping[str, str] | None = None) -> None:
+    """Raises if ``launch`` started this process as one of several and it never joined.
+
+    Without `initialize` every process would train alone on the whole batch, and
+    nothing else would fail.
+    """
+    environ = os.environ if environ is None else environ
+    if ENV_COORDINATOR not in environ or int(environ.get(ENV_NUM_PROCESSES, 1)) <= 1:
+        return
+    if jax.process_count() == 1:
+        raise RuntimeError(
+            "`python -m replicator launch` started this process as process "
+            f"{environ.get(ENV_PROCESS_ID)} of {environ[ENV_NUM_PROCESSES]}, but it has "
+            "not joined the others, so it would train alone. Call rp.initialize() at the "
+            "top of the script, before anything uses JAX."
+        )
 
 
 def _bind_address(host: str, port: int) -> str | None:

@@ -115,6 +115,7 @@ class Replicator:
         self.num_replicas: int = math.prod(self.mesh.shape[a] for a in DATA_AXES)
         self.batch_sharding = NamedSharding(self.mesh, P(self.axis_name))
         self.mirrored_sharding = NamedSharding(self.mesh, P())
+        self._feeders = _feeding_processes(self.batch_sharding, self.num_replicas)
         self._in_flight = _StepsInFlight(max_steps_in_flight)
         devices = list(self.mesh.devices.flat)
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
@@ -155,11 +156,12 @@ class Replicator:
                 f"got shapes {shapes}."
             )
         (local_size,) = sizes
-        global_size = local_size * jax.process_count()
+        feeders = self._feeders
+        global_size = local_size * feeders
         if global_size % self.num_replicas:
             raise ValueError(
                 f"Global batch of {global_size} examples ({local_size} per process x "
-                f"{jax.process_count()} processes) does not split over {self.num_replicas} "
+                f"{feeders} processes) does not split over {self.num_replicas} "
                 f"replicas; use a batch size that is a multiple of {self.num_replicas}, or "
                 "pad the batch and pass a mask as sample_weight."
             )
@@ -186,12 +188,14 @@ class Replicator:
             number of processes and of `num_replicas`.
 
         Returns:
-          A ``slice`` of ``global_batch_size // jax.process_count()`` rows.
+          A ``slice``: ``global_batch_size // jax.process_count()`` rows when the
+          replicas span the processes (data parallelism), all of them where each
+          process holds every replica's rows.
 
         >>> rp.Replicator().process_rows(16)
         slice(0, 16, None)
         """
-        processes = jax.process_count()
+        processes = self._feeders
         for count, what in ((processes, "processes"), (self.num_replicas, "replicas")):
             if global_batch_size <= 0 or global_batch_size % count:
                 raise ValueError(
@@ -613,6 +617,15 @@ def _leaf_positions(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:
             positions.extend(range(start, start + count))
         start += count
     return tuple(positions)
+
+
+def _feeding_processes(batch_sharding: NamedSharding, num_replicas: int) -> int:
+    """Into how many parts the processes split a batch: the process count under data
+    parallelism, 1 where every process holds every replica's rows."""
+    rows = collections.defaultdict(set)
+    for device, index in batch_sharding.devices_indices_map((num_replicas,)).items():
+        rows[device.process_index].add(index[0].indices(num_replicas)[:2])
+    return len({frozenset(r) for r in rows.values()})
 
 
 def _leaf_path(args: tuple, index: int) -> str:

@@ -1,5 +1,7 @@
 """Multi-process runs on one machine: 2 processes x 4 devices behave like 1 x 8."""
 
+import doctest
+import json
 import os
 import re
 import signal
@@ -7,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
+import replicator as rp
 from replicator import launch
-from replicator.mesh import ProcessGroup, detect_process_group
+from replicator.mesh import ProcessGroup, build_mesh, detect_process_group
 from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,42 +261,159 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_d
     assert "Final test accuracy after 400 steps" in done.stdout
 
 
-_REPLICATE = """
+_ACROSS_PROCESSES = """
 import jax, numpy as np
 import replicator as rp
-from replicator import mesh
-mesh.initialize_distributed(mesh.detect_process_group(), timeout_s=60)
+group = rp.initialize(timeout_s=60)
+assert rp.initialize() is group and group.num_processes == 2  # a second call does nothing
 repl = rp.Replicator()
 tree = repl.replicate({"key": jax.random.key(3), "w": np.arange(4.0)})
 draw = repl.compile(lambda t: jax.random.normal(t["key"], (3,)) + t["w"].sum())(tree)
 print("RESULT", np.asarray(draw.addressable_data(0)).tolist())
+rows = (repl.process_rows(8), rp.Replicator(mesh={"data": -1, "tensor": 2}).process_rows(6))
+print("ROWS", [(r.start, r.stop) for r in rows])
+for size in (5, 6):
+    try:
+        repl.process_rows(size)
+    except ValueError as e:
+        print("ERROR", e)
 """
 
 
-def test_replicate_places_typed_keys_across_processes():
-    port = launch.free_port_pair()
-    env = {
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        launch.ENV_COORDINATOR: f"127.0.0.1:{port}",
-        launch.ENV_NUM_PROCESSES: "2",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _REPLICATE],
-            cwd=ROOT,
-            env={**os.environ, **env, launch.ENV_PROCESS_ID: str(i)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+def test_replicate_and_process_rows_across_processes():
+    """2 processes x 2 devices: typed keys placed mirrored, each process's rows."""
+    done = run(
+        replicator_cmd(
+            "launch", "local", "--processes", "2", "--devices-per-process", "2", "--",
+            "python", "-c", _ACROSS_PROCESSES,
+        ),
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
     import jax
 
     want = (jax.random.normal(jax.random.key(3), (3,)) + 6.0).tolist()
-    for out in outputs:
-        (line,) = [x for x in out.splitlines() if x.startswith("RESULT")]
-        assert eval(line.removeprefix("RESULT")) == pytest.approx(want)
+    for i, rows in ((0, [(0, 4), (0, 3)]), (1, [(4, 8), (3, 6)])):
+        lines = [
+            x.removeprefix(f"[{i}] ") for x in done.stdout.splitlines() if x.startswith(f"[{i}] ")
+        ]
+        (result,) = [x for x in lines if x.startswith("RESULT")]
+        assert eval(result.removeprefix("RESULT")) == pytest.approx(want)
+        assert f"ROWS {rows}" in lines
+        assert [x for x in lines if x.startswith("ERROR")] == [
+            "ERROR A global batch of 5 rows does not split evenly over 2 processes; "
+            "use a multiple of 4.",
+            "ERROR A global batch of 6 rows does not split evenly over 4 replicas; "
+            "use a multiple of 4.",
+        ]
+
+
+CUSTOM_LOOP = ["python", "tests/programs/custom_loop.py"]
+
+
+def test_custom_loop_on_two_processes_equals_one(tmp_path):
+    """The user's own script under `launch local` (2 x 4) equals it on 1 x 8.
+
+    The all-reduce runs over gloo between processes and in-process otherwise,
+    which may add the replicas' gradients in another order: observed differences
+    are at most 1.2e-7 (one float32 ulp of the values), hence 1e-6.
+    """
+    one = subprocess.Popen(
+        [sys.executable, *CUSTOM_LOOP[1:], str(tmp_path / "1x8.json")],
+        cwd=ROOT,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    launched = run(
+        replicator_cmd(
+            "launch", "local", "--processes", "2", "--devices-per-process", "4", "--",
+            *CUSTOM_LOOP, str(tmp_path / "2x4.json"),
+        ),
+        timeout=180,
+    )  # fmt: skip
+    out = one.communicate(timeout=180)[0]
+    assert one.returncode == 0, out[-3000:]
+    assert launched.returncode == 0, launched.stdout[-3000:]
+    assert "[0] process 0 of 2 fed rows 0:16 of 32" in launched.stdout
+    assert "[1] process 1 of 2 fed rows 16:32 of 32" in launched.stdout
+    ours, reference = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("2x4", "1x8"))
+    assert sorted(ours) == ["adam", "sgd"]
+    for name in ours:
+        losses = ours[name]["losses"]
+        assert len(losses) == 10 and losses[-1] < 0.7 * losses[0]  # it trains
+        np.testing.assert_allclose(losses, reference[name]["losses"], rtol=0, atol=1e-6)
+        for key, value in ours[name]["params"].items():
+            np.testing.assert_allclose(
+                value, reference[name]["params"][key], rtol=0, atol=1e-6, err_msg=key
+            )
+
+
+def test_launch_runs_any_command():
+    done = run(
+        replicator_cmd(
+            "launch", "local", "--processes", "2", "--",
+            "sh", "-c", "echo process $REPLICATOR_PROCESS_ID of $REPLICATOR_NUM_PROCESSES",
+        )
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] process 0 of 2", "[1] process 1 of 2"]
+    missing = run(replicator_cmd("launch", "local", "--processes", "2", "--", "no-such-program"))
+    assert missing.returncode == 2
+    assert "cannot run 'no-such-program': no such program on PATH" in missing.stderr
+
+
+def test_resolve_command():
+    assert doctest.testmod(launch).failed == 0
+    assert launch.resolve_command(["eval", "--step", "3"], "py") == [
+        "py", "-m", "replicator", "eval", "--step", "3"
+    ]  # fmt: skip
+    assert launch.resolve_command(["python3", "-m", "mypkg"], "py") == ["py", "-m", "mypkg"]
+    with pytest.raises(ValueError, match="No command to launch"):
+        launch.resolve_command([], "py")
+
+
+def test_dry_runs_run_a_python_script(capsys):
+    script = ["--", "python", "my_script.py", "--out", "gs://bucket/x y"]
+    assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "8", "--dry-run", *script]) == 0
+    sbatch = capsys.readouterr().out
+    assert "srun --kill-on-bad-exit=1 .venv/bin/python my_script.py --out 'gs://bucket/x y'\n" in (
+        sbatch
+    )
+    assert "-m replicator" not in sbatch
+    tpu = ["tpu", "--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run", *script]
+    assert launch.main(tpu) == 0
+    run_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert run_line.startswith("gcloud compute tpus tpu-vm ssh my-pod --worker=all")
+    assert "cd ~/replicator && .venv/bin/python my_script.py --out" in run_line
+    assert "-m replicator" not in run_line
+
+
+def test_initialize_is_a_no_op_for_one_process(monkeypatch):
+    for name in (launch.ENV_COORDINATOR, launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    if detect_process_group() is not None:
+        pytest.skip("the test runner is itself one process of several (e.g. under SLURM)")
+    assert rp.initialize() is None
+    assert rp.initialize() is None
+
+
+def test_initialize_after_jax_started_says_to_call_it_first(monkeypatch):
+    """The test process has started JAX's backends: joining now must fail at once,
+    with what to do, before any roll call (which would wait for the others)."""
+    import jax
+
+    jax.devices()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"process 0 of 2 \(explicit\).*top of the script"):
+        rp.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
+    monkeypatch.setenv(launch.ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "1")
+    with pytest.raises(RuntimeError, match=r"process 1 of 2 \(environment\)"):
+        rp.initialize()
+    assert time.monotonic() - start < 5
+    # A script that never called rp.initialize() would train alone: the mesh says so.
+    with pytest.raises(RuntimeError, match="process 1 of 2, but it has not joined"):
+        build_mesh()
