@@ -30,7 +30,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import cpu, optim
+from replicator import cpu, graphs, optim
 from replicator import per_replica as pr
 from replicator.context import (
     AxisNameError,
@@ -120,6 +120,7 @@ class Replicator:
         devices = list(self.mesh.devices.flat)
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
+        self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -236,11 +237,20 @@ class Replicator:
         """Places a pytree mirrored on every device of the mesh.
 
         Args:
-          tree: arrays (numpy or jax) with the same values on every process.
+          tree: arrays (numpy or jax) with the same values on every process, or
+            Flax NNX objects (Module, Optimizer, Rngs, metrics), alone or in a
+            tuple, list or dict.
 
         Returns:
-          The pytree as global `jax.Array`s, replicated over the mesh.
+          The pytree as global `jax.Array`s, replicated over the mesh. NNX objects
+          come back as new objects holding the placed arrays (references shared
+          between them stay shared); the caller's are left as they were.
         """
+        if graphs.has_graph_nodes((tree,)):
+            call = graphs.split_call((tree,))
+            placed = self.replicate(call.args)
+            (tree,), _ = graphs.merge_call(call.layout, placed)
+            return tree
 
         def place(x):
             if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
@@ -256,7 +266,13 @@ class Replicator:
 
     # ------------------------------------------------------- per-replica path
 
-    def run(self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()) -> PyTree:
+    def run(
+        self,
+        fn: Callable,
+        *args: PyTree,
+        donate_argnums: Sequence[int] = (),
+        replica_rngs: bool = True,
+    ) -> PyTree:
         """Runs ``fn`` once per replica, as one compiled SPMD program.
 
         Each argument leaf reaches the replicas in one of three ways:
@@ -278,6 +294,15 @@ class Replicator:
         `num_replicas` (per-replica values: see `reduce`), and passed back into
         ``run`` they round-trip.
 
+        Flax NNX objects (Module, Optimizer, Rngs, metrics) are taken with
+        ``nnx.jit``'s semantics: what ``fn`` changes in them (parameters,
+        optimizer state, BatchNorm statistics, RNG counters, metric totals) is
+        written back into the caller's objects after the call. Each replica's
+        `nnx.Rngs` draw their own stream (``replica_rngs=False``: the same
+        stream on every replica); metric totals and counts are summed over the
+        replicas; any other variable that ends up differing between replicas is
+        an error naming it.
+
         ``fn`` is traced and compiled once per argument structure and shape;
         call `run` with the same function object every step.
 
@@ -286,6 +311,8 @@ class Replicator:
           *args: its arguments (pytrees of arrays).
           donate_argnums: positions of ``args`` whose buffers may be reused for
             the outputs (e.g. the train state).
+          replica_rngs: give each replica its own stream from the `nnx.Rngs` in
+            ``args`` (folding the replica id into their keys for the step).
 
         Returns:
           ``fn``'s outputs, as global arrays.
@@ -297,11 +324,26 @@ class Replicator:
           AxisNameError: ``fn`` used a collective over an axis that is not
             `axis_name`.
         """
+        if graphs.has_graph_nodes(args):
+            return self._run_graph(fn, args, donate_argnums, replica_rngs)
         step, meta, flat = self._run_step(fn, args, donate_argnums)
         out = self._in_flight.dispatch(step, *flat)
         for i in meta["per_replica"]:
             pr.remember(out[i], Kind.PER_REPLICA)
         return jax.tree.unflatten(meta["tree"], out)
+
+    def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
+        call = graphs.split_call(args)
+        key = (fn, call.layout, replica_rngs)
+        pure = self._graph_fns.get(key)
+        if pure is None:
+            pure = self._graph_fns[key] = graphs.make_pure(
+                fn, call.layout, replica_rngs=replica_rngs
+            )
+        donate = graphs.donated_positions(call.layout, donate_argnums)
+        out, new_state = self.run(pure, *call.args, donate_argnums=donate)
+        graphs.write_back(call, new_state)
+        return out
 
     def lower(
         self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()
@@ -554,10 +596,33 @@ class Replicator:
           static_argnums: as for `jax.jit`.
           compiler_options: XLA options, on top of replicator's CPU defaults.
 
+        Flax NNX objects among the arguments are taken with ``nnx.jit``'s
+        semantics, as by `run`: what the step changes in them is written back.
+
         Returns:
           A callable with ``fn``'s signature. Its ``lower(*args)`` lowers the
           program for those arguments, like `Replicator.lower` for `run`.
         """
+        if in_shardings is None and out_shardings is None and not static_argnums:
+            graph_steps: dict[Any, Callable] = {}
+
+            def graph_step(*args):
+                call = graphs.split_call(args)
+                compiled = graph_steps.get(call.layout)
+                if compiled is None:
+                    compiled = graph_steps[call.layout] = self.compile(
+                        graphs.make_pure(fn, call.layout),
+                        donate_argnums=graphs.donated_positions(
+                            call.layout, _as_positions(donate_argnums)
+                        ),
+                        compiler_options=compiler_options,
+                    )
+                out, new_state = compiled(*call.args)
+                graphs.write_back(call, new_state)
+                return out
+        else:
+            graph_step = None
+
         jit = functools.partial(
             jax.jit,
             donate_argnums=donate_argnums,
@@ -586,6 +651,13 @@ class Replicator:
                 return call(current[0])
 
         def step(*args, **kwargs):
+            if graphs.has_graph_nodes(args):
+                if graph_step is None or kwargs:
+                    raise TypeError(
+                        "repl.compile takes Flax NNX objects as positional arguments, without "
+                        "in_shardings, out_shardings or static_argnums."
+                    )
+                return graph_step(*args)
             with jax.set_mesh(self.mesh):
                 return traced(lambda jitted: self._in_flight.dispatch(jitted, *args, **kwargs))
 
@@ -606,6 +678,10 @@ def _as_tuple(entry) -> tuple[str, ...] | None:
     if entry is None:
         return None
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+def _as_positions(argnums: int | Sequence[int]) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
 def _leaf_positions(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:
@@ -666,10 +742,13 @@ def _bind_axes(fn: Callable, axes: Sequence[str]) -> Callable:
 
     @functools.wraps(fn)
     def bound(*args, **kwargs):
-        one = lambda _: fn(*args, **kwargs)
+        # The arguments go through vmap (unmapped) rather than being closed over, so
+        # pytrees are rebuilt inside it: Flax NNX checks that its objects belong to
+        # the trace level that uses them.
+        one = lambda _, *args: fn(*args, **kwargs)
         for name in reversed(axes):
-            one = jax.vmap(one, axis_name=name)
-        out = one(jnp.zeros((1,) * len(axes)))
+            one = jax.vmap(one, in_axes=(0,) + (None,) * len(args), axis_name=name)
+        out = one(jnp.zeros((1,) * len(axes)), *args)
         return jax.tree.map(lambda x: x.reshape(x.shape[len(axes) :]), out)
 
     return bound

@@ -1,0 +1,209 @@
+"""Flax NNX graph objects through `Replicator.run` and `compile`, with ``nnx.jit``'s semantics.
+
+An NNX step updates its arguments in place (``opt.update(model, grads)``,
+BatchNorm statistics, RNG counters, metrics) and returns only its metrics. A
+compiled program cannot mutate Python objects, so the objects are split into a
+graph definition (static) and a state (arrays), the state goes through the
+program, the step runs on objects merged from it, and their new state comes
+back out and is written into the caller's objects (``nnx.update``): what the
+step mutated is visible after the call, shared references stay shared.
+
+Under ``run`` each replica runs the step on its own merged objects, so three
+things need care, and get it here:
+
+* **Randomness.** Every `nnx.RngKey` is folded with the replica id for the
+  step (then restored), so each replica draws its own deterministic stream.
+* **Metrics.** Each replica updates `nnx.metrics.Average` (and `Accuracy`)
+  with its own examples; their totals and counts are then summed over the
+  replicas (``old + psum(new - old)``), so the metric counts the global batch
+  once. Update them with per-replica values (e.g. per-example losses), not
+  values already reduced across replicas, which would count N times.
+* **Anything else that differs between replicas** (e.g. BatchNorm statistics
+  without an ``axis_name``) cannot be written back into one object: it is an
+  error naming the attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from replicator.context import get_replica_context
+
+PyTree = Any
+
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX object (Module, Optimizer, Rngs, Metric, ...)."""
+    return isinstance(x, nnx.Pytree)
+
+
+def has_graph_nodes(args: Sequence[Any]) -> bool:
+    """Whether any argument is an NNX object, or a tuple, list or dict holding one.
+
+    Only this shallow look costs something on every call; nested deeper, NNX
+    objects would be treated as plain pytrees.
+    """
+    for arg in args:
+        if is_graph_node(arg):
+            return True
+        if type(arg) in (tuple, list) and any(is_graph_node(v) for v in arg):
+            return True
+        if type(arg) is dict and any(is_graph_node(v) for v in arg.values()):
+            return True
+    return False
+
+
+def _is_node_or_none(x: Any) -> bool:
+    return x is None or is_graph_node(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the NNX objects sit in a call's arguments (hashable: a cache key)."""
+
+    graphdef: Any
+    treedefs: tuple  # per argument: its treedef with NNX objects (and None) as leaves
+    positions: tuple[tuple[int, ...], ...]  # per argument: which of its leaves are objects
+    names: tuple[str, ...]  # per object: where it was, e.g. "args[0]"
+
+
+@dataclasses.dataclass
+class SplitCall:
+    """A call's arguments with the NNX objects taken out."""
+
+    layout: Layout
+    nodes: tuple  # the caller's objects, in order
+    args: tuple  # the arguments with each object replaced by None, then the state
+    state: Any
+
+
+def split_call(args: Sequence[Any]) -> SplitCall:
+    """Splits the NNX objects out of ``args``: their state becomes one extra argument."""
+    treedefs, positions, pure_args, nodes, names = [], [], [], [], []
+    for n, arg in enumerate(args):
+        leaves, treedef = jax.tree.flatten(arg, is_leaf=_is_node_or_none)
+        where = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
+        nodes.extend(leaves[i] for i in where)
+        names.extend(f"args[{n}]" + (f"<leaf {i}>" if len(leaves) > 1 else "") for i in where)
+        leaves = [None if i in where else x for i, x in enumerate(leaves)]
+        treedefs.append(treedef)
+        positions.append(where)
+        pure_args.append(jax.tree.unflatten(treedef, leaves))
+    graphdef, state = nnx.split(tuple(nodes))
+    layout = Layout(graphdef, tuple(treedefs), tuple(positions), tuple(names))
+    return SplitCall(layout, tuple(nodes), (*pure_args, state), state)
+
+
+def donated_positions(layout: Layout, donate_argnums: Sequence[int]) -> tuple[int, ...]:
+    """The pure call's donated positions: the user's, plus the state if an object is donated."""
+    donate = tuple(sorted(donate_argnums))
+    if any(layout.positions[i] for i in donate):
+        donate += (len(layout.positions),)
+    return donate
+
+
+def merge_call(layout: Layout, pure_args: Sequence[Any]) -> tuple[tuple, tuple]:
+    """The inverse of `split_call`: ``(args, nodes)`` with new objects merged from the state."""
+    *plain, state = pure_args
+    nodes = nnx.merge(layout.graphdef, state)
+    args, it = [], iter(nodes)
+    for arg, treedef, where in zip(plain, layout.treedefs, layout.positions):
+        if where:
+            leaves = jax.tree.flatten(arg, is_leaf=_is_node_or_none)[0]
+            leaves = [next(it) if i in where else x for i, x in enumerate(leaves)]
+            arg = jax.tree.unflatten(treedef, leaves)
+        args.append(arg)
+    return tuple(args), nodes
+
+
+def make_pure(fn: Callable, layout: Layout, *, replica_rngs: bool = True) -> Callable:
+    """``fn`` as a function of ``(*args_without_objects, state) -> (out, new_state)``."""
+
+    def pure(*pure_args):
+        args, nodes = merge_call(layout, pure_args)
+        ctx = get_replica_context()
+        variables = _variables(nodes)
+        before = {path: var.get_value() for path, var in variables.items()}
+        keys = {}
+        if ctx is not None and replica_rngs:
+            for path, var in variables.items():
+                if isinstance(var, nnx.RngKey):
+                    keys[path] = var.get_value()
+                    var.set_value(jax.random.fold_in(keys[path], ctx.replica_id))
+        out = fn(*args)
+        for path, key in keys.items():
+            variables[path].set_value(key)
+        if ctx is not None:
+            _agree_across_replicas(nodes, variables, before, ctx.axis_name, layout.names)
+        if any(is_graph_node(x) for x in jax.tree.leaves(out, is_leaf=is_graph_node)):
+            raise TypeError(
+                "A step run by replicator returned an NNX object; return arrays (metrics), "
+                "and update the objects passed in, which are written back after the call."
+            )
+        _, new_state = nnx.split(nodes)
+        return out, new_state
+
+    pure.__name__ = getattr(fn, "__name__", "step")
+    return pure
+
+
+def write_back(call: SplitCall, new_state: Any) -> None:
+    """Writes the step's new state into the caller's objects (``nnx.update``)."""
+    try:
+        nnx.update(call.nodes, new_state)
+    except Exception as e:
+        raise ValueError(
+            f"The step's changes to its NNX objects cannot be written back: "
+            f"{type(e).__name__}: {e}. Pass the objects themselves (not views or copies "
+            "that cannot be updated in place)."
+        ) from e
+
+
+def _variables(nodes) -> dict[tuple, nnx.Variable]:
+    return {path: value for path, value in nnx.iter_graph(nodes) if isinstance(value, nnx.Variable)}
+
+
+def _agree_across_replicas(nodes, variables, before, axes, names) -> None:
+    """Makes every variable the same on all replicas, or raises naming the one that is not."""
+    additive = {
+        path + (name,)
+        for path, obj in nnx.iter_graph(nodes)
+        if isinstance(obj, nnx.metrics.Average)
+        for name, value in vars(obj).items()
+        if isinstance(value, nnx.Variable)
+    }
+    for path, var in variables.items():
+        value = var.get_value()
+        if not isinstance(value, jax.Array):
+            continue
+        if path in additive:
+            # Each replica counted its own examples: totals and counts add up, even
+            # where the increments happen to be equal (a count from a static shape).
+            delta = _vary(value - before[path], axes)
+            var.set_value(before[path] + jax.lax.psum(delta, axes))
+            continue
+        if not _varying(value, axes):
+            continue
+        name = ".".join([names[path[0]], *(str(p) for p in path[1:])])
+        raise ValueError(
+            f"NNX variable {name} ({type(var).__name__}) differs between replicas after the "
+            "step, and one object cannot hold a value per replica. For BatchNorm pass "
+            "axis_name=repl.axis_name (statistics over all replicas); for metrics other than "
+            "nnx.metrics.Average/Accuracy, update them with values reduced across replicas "
+            "(repl.reduce inside the step); keep other per-replica state out of the objects "
+            "and return it (per-replica outputs round-trip)."
+        )
+
+
+def _varying(x: jax.Array, axes) -> bool:
+    return bool(set(jax.typeof(x).manual_axis_type.varying) & set(axes))
+
+
+def _vary(x: jax.Array, axes) -> jax.Array:
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

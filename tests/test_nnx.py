@@ -1,0 +1,173 @@
+"""Flax NNX programs through run and compile: the NNX MNIST tutorial's step, ported."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import replicator as rp
+
+
+class CNN(nnx.Module):
+    """The Flax NNX MNIST tutorial's CNN, on 8x8 images."""
+
+    def __init__(self, *, rngs: nnx.Rngs, axis_name=None, dropout=0.025):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=dropout)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(16, axis_name=axis_name, rngs=rngs)
+        self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(64, 32, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=dropout)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        return self.linear2(x)
+
+
+def make_train_step(average):
+    """The tutorial's step: updates in place and returns nothing but the loss."""
+
+    def train_step(model, optimizer, metrics, rngs, batch):
+        def loss_fn(model):
+            logits = model(batch["image"], rngs)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+            return average(per_example), (logits, per_example)
+
+        (loss, (logits, per_example)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        metrics.update(loss=per_example, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
+
+
+def batches(steps, size=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.normal(size=(size, 8, 8, 1)).astype(np.float32),
+            "label": rng.integers(0, 10, size).astype(np.int32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def make_objects(axis_name=None, dropout=0.0):
+    model = CNN(rngs=nnx.Rngs(0), axis_name=axis_name, dropout=dropout)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+    return model, optimizer, metrics, nnx.Rngs(dropout=1)
+
+
+def train_original(data):
+    """The tutorial as written, on one device with nnx.jit and a mean loss."""
+    objects = make_objects()
+    step = nnx.jit(make_train_step(jnp.mean))
+    for batch in data:
+        step(*objects, batch)
+    return objects
+
+
+def params_and_stats(model):
+    return nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
+
+
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_tutorial_on_8_replicas_equals_one_device(path):
+    data = batches(20)
+    model0, optimizer0, metrics0, _ = train_original(data)
+
+    repl = rp.Replicator()
+    model, optimizer, metrics, rngs = repl.replicate(make_objects(repl.axis_name))
+    step = make_train_step(rp.compute_average_loss)
+    compiled = repl.compile(step)
+    for batch in data:
+        args = (model, optimizer, metrics, rngs, repl.shard_batch(batch))
+        loss = repl.run(step, *args) if path == "run" else compiled(*args)
+    assert loss.shape == ((8,) if path == "run" else ())
+    assert int(optimizer.step.get_value()) == 20  # updated in place, not a silent no-op
+    assert model.batch_norm1.mean.get_value().shape == (8,)  # never grows
+    for ours, original in zip(params_and_stats(model), params_and_stats(model0)):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), ours, original
+        )
+    for name, value in metrics0.compute().items():  # totals and counts summed exactly
+        np.testing.assert_allclose(metrics.compute()[name], value, rtol=1e-5)
+
+
+def test_dropout_differs_per_replica_and_is_deterministic():
+    repl = rp.Replicator()
+
+    def masks(rngs, batch):
+        return nnx.Dropout(0.5)(batch["image"], rngs=rngs)[0, :, :, 0] != 0
+
+    def draw():
+        rngs = repl.replicate(nnx.Rngs(dropout=1))
+        batch = repl.shard_batch({"image": np.ones((8, 8, 8, 1), np.float32)})
+        first = repl.run(masks, rngs, batch)
+        assert int(rngs.dropout.count.get_value()) == 1  # the counter moved, in place
+        return first, repl.run(masks, rngs, batch)
+
+    (a, a_next), (b, _) = draw(), draw()
+    assert a.shape == (8, 8, 8)
+    assert len({m.tobytes() for m in np.asarray(a)}) == 8  # every replica its own mask
+    np.testing.assert_array_equal(a, b)  # deterministic
+    assert not np.array_equal(a, a_next)  # and the stream advances
+    same = repl.run(
+        masks,
+        repl.replicate(nnx.Rngs(dropout=1)),
+        repl.shard_batch({"image": np.ones((8, 8, 8, 1), np.float32)}),
+        replica_rngs=False,
+    )
+    assert len({m.tobytes() for m in np.asarray(same)}) == 1  # opted out: one stream
+
+
+def test_statistics_that_differ_per_replica_are_an_error_not_growth():
+    repl = rp.Replicator()
+    model, optimizer, metrics, rngs = repl.replicate(make_objects(axis_name=None))
+    batch = repl.shard_batch(batches(1)[0])
+    with pytest.raises(ValueError, match=r"args\[0\]\.batch_norm1\.mean \(BatchStat\)"):
+        repl.run(make_train_step(rp.compute_average_loss), model, optimizer, metrics, rngs, batch)
+    assert model.batch_norm1.mean.get_value().shape == (8,)  # nothing half-written
+
+
+def test_foreign_axis_name_is_a_clear_error():
+    repl = rp.Replicator()
+    objects = repl.replicate(make_objects(axis_name="batch"))
+    batch = repl.shard_batch(batches(1)[0])
+    for call in (repl.run, lambda f, *a: repl.compile(f)(*a)):
+        with pytest.raises(rp.AxisNameError, match=r"'batch'"):
+            call(make_train_step(rp.compute_average_loss), *objects, batch)
+
+
+def test_replicate_keeps_shared_references_and_donation_works():
+    repl = rp.Replicator()
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(2, 2, rngs=rngs)
+            self.b = self.a  # shared
+
+    model = repl.replicate(Tied(nnx.Rngs(0)))
+    assert model.a is model.b
+    assert model.a.kernel.get_value().sharding.is_fully_replicated
+
+    def step(model, x):
+        total = repl.reduce(rp.ReduceOp.SUM, jnp.sum(x))  # the same on every replica
+        model.a.kernel.set_value(model.a.kernel.get_value() + total)
+
+    before = np.asarray(model.a.kernel.get_value())
+    repl.run(step, model, repl.shard_batch(np.ones((8,), np.float32)), donate_argnums=(0,))
+    np.testing.assert_allclose(model.b.kernel.get_value(), before + 8.0)
+    repl.compile(step, donate_argnums=(0,))(model, repl.shard_batch(np.ones((8,), np.float32)))
+    np.testing.assert_allclose(model.a.kernel.get_value(), before + 16.0)
