@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -57,9 +58,51 @@ def get_replica_context() -> ReplicaContext | None:
     return _CURRENT.get()
 
 
-def replica_context(ctx: ReplicaContext) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def replica_context(ctx: ReplicaContext, step_name: str = "step") -> Iterator[ReplicaContext]:
     """While `Replicator.run` traces a function: `get_replica_context` returns ``ctx``."""
-    return _binding(_CURRENT, ctx)
+    with _binding(_CURRENT, ctx), _binding(_TRACE, _StepTrace(step_name)):
+        yield ctx
+
+
+@dataclasses.dataclass
+class _StepTrace:
+    """What one trace of a per-replica step has done so far."""
+
+    name: str
+    global_batch_loss: bool = False  # went through compute_average_loss or the like
+
+
+_TRACE: contextvars.ContextVar[_StepTrace | None] = contextvars.ContextVar(
+    "step_trace", default=None
+)
+_WARNED: set[str] = set()
+
+
+def note_global_batch_loss() -> None:
+    """Records that the step scaled a loss by the global batch (`compute_average_loss`)."""
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.global_batch_loss = True
+
+
+def warn_if_loss_not_averaged() -> None:
+    """Warns (once per step) when gradients reach the wrapped optimizer under `run` but
+    no loss went through `compute_average_loss`: a per-replica ``loss.mean()`` gives
+    ``num_replicas`` times the gradient, since the replicas' gradients are summed."""
+    trace = _TRACE.get()
+    if trace is None or trace.global_batch_loss or trace.name in _WARNED:
+        return
+    _WARNED.add(trace.name)
+    warnings.warn(
+        f"repl.run traced {trace.name!r}, whose gradients reach the wrapped optimizer "
+        "(summed across replicas), but no loss in it went through "
+        "rp.compute_average_loss. If the loss is a per-replica mean (loss.mean()), the "
+        "update is num_replicas times too large: use "
+        "rp.compute_average_loss(per_example_loss) instead. (A loss already divided by "
+        "the global batch is right; then ignore this.)",
+        stacklevel=3,
+    )
 
 
 _GLOBAL_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("global_view", default=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from replicator.context import get_replica_context, num_microbatches
+from replicator.context import get_replica_context, note_global_batch_loss, num_microbatches
 
 
 def compute_average_loss(
@@ -61,6 +61,7 @@ def compute_average_loss(
                 "[batch, time] loss pass sample_weight[:, None]."
             )
         loss = loss * weight.astype(loss.dtype)
+    note_global_batch_loss()
     if global_batch_size is None:
         ctx = get_replica_context()
         replicas = ctx.num_replicas if ctx else 1
@@ -84,6 +85,7 @@ def scale_regularization_loss(regularization_loss: jax.typing.ArrayLike) -> jax.
     >>> float(scale_regularization_loss(jnp.array([1.0, 2.0])))
     3.0
     """
+    note_global_batch_loss()
     total = jnp.sum(jnp.asarray(regularization_loss))
     total = total.astype(jnp.promote_types(total.dtype, jnp.float32))
     ctx = get_replica_context()

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import jax
 import optax
 
+from replicator.context import warn_if_loss_not_averaged
+
 
 def _varying_axes(x: jax.Array, axis_names: Sequence[str]) -> tuple[str, ...]:
     varying = jax.typeof(x).manual_axis_type.varying
@@ -59,6 +61,7 @@ def wrap_optimizer(
     tx = optax.with_extra_args_support(tx)
 
     def update_fn(updates, state, params=None, **extra_args):
+        warn_if_loss_not_averaged()
         return tx.update(sum_across_replicas(updates, axis_names), state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(tx.init, update_fn)

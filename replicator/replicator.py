@@ -441,7 +441,7 @@ class Replicator:
 
         def call(*flat):
             rows = [x[0] if k is Kind.PER_REPLICA else x for x, k in zip(flat, kinds)]
-            with replica_context(ctx):
+            with replica_context(ctx, getattr(fn, "__name__", "step")):
                 out = fn(*jax.tree.unflatten(treedef, rows))
             return jax.tree.flatten(out)
 

@@ -62,9 +62,9 @@ def batches(steps, size=32, seed=0):
     ]
 
 
-def make_objects(axis_name=None, dropout=0.0):
+def make_objects(axis_name=None, dropout=0.0, wrap=lambda tx: tx):
     model = CNN(rngs=nnx.Rngs(0), axis_name=axis_name, dropout=dropout)
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, wrap(optax.sgd(0.1)), wrt=nnx.Param)
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
     return model, optimizer, metrics, nnx.Rngs(dropout=1)
 
@@ -88,7 +88,8 @@ def test_tutorial_on_8_replicas_equals_one_device(path):
     model0, optimizer0, metrics0, _ = train_original(data)
 
     repl = rp.Replicator()
-    model, optimizer, metrics, rngs = repl.replicate(make_objects(repl.axis_name))
+    objects = make_objects(repl.axis_name, wrap=repl.wrap_optimizer)
+    model, optimizer, metrics, rngs = repl.replicate(objects)
     step = make_train_step(rp.compute_average_loss)
     compiled = repl.compile(step)
     for batch in data:
@@ -171,3 +172,25 @@ def test_replicate_keeps_shared_references_and_donation_works():
     np.testing.assert_allclose(model.b.kernel.get_value(), before + 8.0)
     repl.compile(step, donate_argnums=(0,))(model, repl.shard_batch(np.ones((8,), np.float32)))
     np.testing.assert_allclose(model.a.kernel.get_value(), before + 16.0)
+
+
+def test_a_forgotten_compute_average_loss_is_pointed_out():
+    repl = rp.Replicator()
+    objects = repl.replicate(make_objects(repl.axis_name, wrap=repl.wrap_optimizer))
+    batch = repl.shard_batch(batches(1)[0])
+
+    def tutorial_step_with_mean(*args):
+        return make_train_step(jnp.mean)(*args)
+
+    with pytest.warns(UserWarning, match=r"tutorial_step_with_mean.*rp.compute_average_loss"):
+        repl.run(tutorial_step_with_mean, *objects, batch)
+
+    def ported_step(*args):
+        return make_train_step(rp.compute_average_loss)(*args)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        repl.run(ported_step, *objects, batch)
+        repl.compile(tutorial_step_with_mean)(*objects, batch)  # global view: mean is right
