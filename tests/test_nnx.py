@@ -38,12 +38,13 @@ def make_train_step(average):
     """The tutorial's step: updates in place and returns nothing but the loss."""
 
     def train_step(model, optimizer, metrics, rngs, batch):
-        def loss_fn(model):
+        def loss_fn(model, rngs, batch):
             logits = model(batch["image"], rngs)
             per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
             return average(per_example), (logits, per_example)
 
-        (loss, (logits, per_example)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        (loss, (logits, per_example)), grads = grad_fn(model, rngs, batch)
         metrics.update(loss=per_example, logits=logits, labels=batch["label"])
         optimizer.update(model, grads)
         return loss
