@@ -28,7 +28,6 @@ import orbax.checkpoint as ocp  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 import replicator as rp  # noqa: E402
-from replicator import checkpoint as ckpt  # noqa: E402
 
 
 def make_state(repl, megabytes):
@@ -42,7 +41,7 @@ def time_save(manager, state, step):
     """Blocking time of one save on a long-lived manager, as in a training loop."""
     jax.block_until_ready(state)
     start = time.perf_counter()
-    manager.save(step, state, data_state={}, config_json="{}")
+    manager.save(step, state)
     blocked = time.perf_counter() - start
     manager.wait()  # the background write, not counted as blocking
     return blocked, time.perf_counter() - start
@@ -50,7 +49,7 @@ def time_save(manager, state, step):
 
 def restore_ours(manager, step, target):
     start = time.perf_counter()
-    state, _ = manager.restore(step, target)
+    state = manager.restore(like=target, step=step)
     jax.block_until_ready(state)
     return time.perf_counter() - start
 
@@ -67,14 +66,14 @@ def restore_bare(directory, step, target):
     return time.perf_counter() - start
 
 
-def time_restores(directory, step, target, ours_first):
+def time_restores(repl, directory, step, target, ours_first):
     """Both restores of the same files; the order alternates between trials.
 
     Opening replicator's manager (listing the steps, once per process) is timed
     apart from the restore itself.
     """
     start = time.perf_counter()
-    manager = ckpt.Checkpoints(directory, read_only=True)
+    manager = rp.Checkpoints(directory, repl, read_only=True)
     opened = time.perf_counter() - start
     if ours_first:
         ours = restore_ours(manager, step, target)
@@ -95,10 +94,12 @@ def main():
     repl = rp.Replicator()
     state = make_state(repl, args.mb)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    target = ckpt.abstract_like(state, repl.mirrored_sharding)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl.mirrored_sharding), state
+    )
     root = tempfile.mkdtemp(prefix="ckpt-bench-")
     managers = {
-        mode: ckpt.Checkpoints(os.path.join(root, mode), max_to_keep=2, async_save=mode == "async")
+        mode: rp.Checkpoints(os.path.join(root, mode), repl, keep=2, async_save=mode == "async")
         for mode in ("async", "sync")
     }
     rows = []
@@ -106,7 +107,9 @@ def main():
         result = {}
         for mode in ("async", "sync") if step % 2 else ("sync", "async"):
             result[mode] = time_save(managers[mode], state, step)
-        ours, bare, opened = time_restores(os.path.join(root, "async"), step, target, step % 2)
+        ours, bare, opened = time_restores(
+            repl, os.path.join(root, "async"), step, target, step % 2
+        )
         if step:
             rows.append(
                 {

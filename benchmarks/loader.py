@@ -52,7 +52,9 @@ from PIL import Image  # noqa: E402
 
 import experiments.datasets  # noqa: E402, F401  (registers "digits")
 from experiments.datasets.base import LocalBuilder  # noqa: E402
-from replicator import data, train  # noqa: E402
+from replicator import trainer  # noqa: E402
+from replicator.trainer import data  # noqa: E402
+from replicator.trainer.setup import Run, setup  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "loader.json")
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -104,22 +106,21 @@ def load_config(name: str, **overrides) -> ml_collections.ConfigDict:
     return config
 
 
-def measure_step(run: train.Run, *, trials: int, steps: int) -> list[float]:
-    """Examples/s of the experiment's train step under repl.run, one fixed batch on device."""
+def measure_step(run: Run, *, trials: int, steps: int) -> list[float]:
+    """Examples/s of the experiment's train step as the trainer runs it, one fixed batch."""
     config, repl = run.config, run.repl
-    state = repl.compile(run.init_state, out_shardings=repl.mirrored_sharding)()
-    train_fn = run.experiment.make_train_step(run.model, run.tx)
+    state = run.init_state()
     source = run.eval_source
     indices = np.arange(config.batch_size) % len(source)
     batch = repl.shard_batch(run.experiment.preprocess(data.read_batch(source, indices)))
     for _ in range(2):  # compile, then one warm step
-        state, _ = repl.run(train_fn, state, batch, donate_argnums=(0,))
+        state, _, _ = run.train_step(state, batch)
     jax.block_until_ready(state)
     rates = []
     for _ in range(trials):
         start = time.perf_counter()
         for _ in range(steps):
-            state, _ = repl.run(train_fn, state, batch, donate_argnums=(0,))
+            state, _, _ = run.train_step(state, batch)
         jax.block_until_ready(state)
         rates.append(steps * config.batch_size / (time.perf_counter() - start))
     return rates
@@ -232,7 +233,7 @@ def measure_run_input_wait(data_dir: str, workdir: str, steps: int) -> dict:
         eval_every_steps=steps,
         checkpoint_every_steps=steps,
     )
-    train.train_and_evaluate(config, workdir, quiet=True)
+    trainer.train_and_evaluate(config, workdir, quiet=True)
     return {**wall_times(workdir), "steps": steps}
 
 
@@ -312,7 +313,7 @@ def markdown(results: dict) -> str:
         lines += [
             f"Fashion-MNIST recipe on synthetic28 ({num_synthetic:,} PNG examples, "
             "global batch 512, 8 CPU devices, "
-            f"{run['steps']} steps, in-process `train.train_and_evaluate`): "
+            f"{run['steps']} steps, in-process `trainer.train_and_evaluate`): "
             f"{run['input']:.2f} s of {run['total']:.1f} s waiting for input "
             f"({100 * run['input_fraction']:.1f}%); compile {run['compile']:.1f} s, "
             f"compute {run['compute']:.1f} s.",
@@ -353,7 +354,7 @@ def run_benchmarks(args: argparse.Namespace, *, data_dir: str) -> dict:
     }
     datasets = {}
     for name, config in setups.items():
-        run = train.setup(config)
+        run = setup(config)
         preprocess = run.experiment.preprocess
         steps = 20 if config.batch_size <= 64 else 2
         step = measure_step(run, trials=args.trials, steps=steps)

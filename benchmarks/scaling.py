@@ -61,7 +61,7 @@ def build_pair(tuned: bool, process_id: int = 0, port: int = 0, parent: int = 0)
     """
     if process_id:
         _follow(tuned, process_id, port, parent)
-    from replicator.launch import free_port_pair
+    from replicator.runtime.launch import free_port_pair
 
     port = free_port_pair()
     spec = {"tuned": tuned, "process_id": 1, "port": port, "parent": os.getpid()}
@@ -99,7 +99,7 @@ def _pair_candidate(tuned: bool, process_id: int, port: int) -> trials.Candidate
     """Joins the pair, then builds this process's share of the 8-device step."""
     import jax
 
-    from replicator.mesh import ProcessGroup, initialize_distributed
+    from replicator.runtime.processes import ProcessGroup, initialize_distributed
 
     # Sets gloo CPU collectives; must come before anything starts JAX's backend.
     group = ProcessGroup(f"127.0.0.1:{port}", PAIR_PROCESSES, process_id, "explicit")

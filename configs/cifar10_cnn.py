@@ -22,21 +22,20 @@ steps; the test suite runs it on ``tfds.testing.mock_data``).
 """
 
 import ml_collections
-from ml_collections.config_dict import placeholder
+
+from replicator.trainer.config import base_config
 
 _NUM_TRAIN_EXAMPLES = 50_000
 _NUM_EPOCHS = 10
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = base_config()  # every key with its default, so every key can be overridden
     c.experiment = "experiments.classify"
-    c.model = dict(num_classes=10, conv_features=(32, 64, 64), dense_features=64, padding="VALID")
+    c.model = dict(
+        arch="cnn", num_classes=10, conv_features=(32, 64, 64), dense_features=64, padding="VALID"
+    )
     c.dataset = "cifar10"
-    # Optional values are placeholders: None by default, overridable from the command line.
-    c.data_dir = placeholder(str)  # None: tfds default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-    c.train_split = "train"
-    c.eval_split = "test"
 
     c.batch_size = 128  # global: 16 per replica x 8 replicas
     c.eval_batch_size = 512
@@ -44,18 +43,11 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     steps_per_epoch = _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
     c.num_train_steps = _NUM_EPOCHS * _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
     c.learning_rate = 1e-3
-    c.optimizer = "adam"
     c.seed = 0
-    c.grad_accum_steps = 1
-
-    c.mesh = dict(data=-1)
-    c.precision = placeholder(str)  # None (fp32) or "bf16"
-    c.step_path = "run"
 
     c.log_every_steps = 50
     c.eval_every_steps = steps_per_epoch
     c.checkpoint_every_steps = steps_per_epoch
-    c.keep_checkpoints = 3
 
     if mode == "smoke":
         c.batch_size = 16

@@ -13,35 +13,27 @@ Smoke mode for tests: ``--config configs/digits_cnn.py:smoke`` (a few steps).
 """
 
 import ml_collections
-from ml_collections.config_dict import placeholder
+
+from replicator.trainer.config import base_config
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = base_config()  # every key with its default, so every key can be overridden
     c.experiment = "experiments.classify"
-    c.model = dict(num_classes=10, conv_features=(32, 64), dense_features=64, padding="SAME")
+    c.model = dict(
+        arch="cnn", num_classes=10, conv_features=(32, 64), dense_features=64, padding="SAME"
+    )
     c.dataset = "digits"
-    # Optional values are placeholders: None by default, overridable from the command line.
-    c.data_dir = placeholder(str)  # None: tfds default ($TFDS_DATA_DIR or ~/tensorflow_datasets)
-    c.train_split = "train"
-    c.eval_split = "test"
 
     c.batch_size = 64  # global
     c.eval_batch_size = 128
     c.num_train_steps = 1200  # about 53 epochs of 1,437 examples
     c.learning_rate = 2e-3
-    c.optimizer = "adam"
     c.seed = 0
-    c.grad_accum_steps = 1
-
-    c.mesh = dict(data=-1)
-    c.precision = placeholder(str)  # None (fp32) or "bf16"
-    c.step_path = "run"
 
     c.log_every_steps = 50
     c.eval_every_steps = 400
     c.checkpoint_every_steps = 400
-    c.keep_checkpoints = 3
 
     if mode == "smoke":
         c.num_train_steps = 4

@@ -5,6 +5,7 @@ Write a step function as if for one device; `Replicator.run` (per replica, on
 runs it on every device.
 """
 
+from replicator.checkpoint import Checkpoints as Checkpoints
 from replicator.context import AxisNameError as AxisNameError
 from replicator.context import ReplicaContext as ReplicaContext
 from replicator.context import get_replica_context as get_replica_context
@@ -18,6 +19,7 @@ from replicator.precision import Policy as Policy
 from replicator.precision import apply_policy as apply_policy
 from replicator.replicator import ReduceOp as ReduceOp
 from replicator.replicator import Replicator as Replicator
+from replicator.runtime.processes import initialize as initialize
 from replicator.state import TrainState as TrainState
 
 __version__ = "0.1.0"

@@ -1,3 +1,3 @@
-from replicator.cli import run
+from replicator.trainer.cli import run
 
 run()

@@ -1,19 +1,21 @@
 """Checkpoints on Orbax: save asynchronously, resume exactly, restore onto any devices.
 
-Layout of ``WORKDIR/checkpoints/<step>/`` (plain Orbax, readable without
-replicator; see docs/checkpoints.md):
+`Checkpoints` is the one checkpoint code path: custom training loops use it
+directly and the trainer (``replicator.trainer``) uses it too. Each step is a
+plain Orbax step directory, ``<directory>/<step>/``, readable without
+replicator (docs/guide.md, "Reading a checkpoint with Orbax alone"):
 
-* ``state/``   the `TrainState` pytree (``step``, ``params``, ``opt_state``,
-  ``rng``), written by Orbax's PyTreeCheckpointHandler;
-* ``data/``    JSON: the input iterator's position, to continue with the next batch;
-* ``config/``  JSON: the resolved experiment config;
-* ``metrics/`` JSON: the eval metrics of that step, when there are any (Orbax's
+* ``state/``   the state pytree (for the trainer, `TrainState`), written by
+  Orbax's PyTreeCheckpointHandler;
+* ``data/``    JSON: the input iterator's position, when one was given;
+* ``config/``  JSON: the resolved experiment config, when one was given;
+* ``metrics/`` JSON: eval metrics of that step, when there are any (Orbax's
   own item, read by the best-N retention).
 
 Orbax writes each step into a temporary directory and renames it when complete,
 so a checkpoint torn by a crash is never listed. Restores always go through an
-abstract target carrying the *current* mesh's shardings, never the saved ones,
-so a checkpoint written on 8 devices restores on 1 or 3.
+abstract target carrying the *current* Replicator's shardings, never the saved
+ones, so a checkpoint written on 8 devices restores on 1 or 3.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
-from collections.abc import Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import array_metadata_store
+
+from replicator.per_replica import PerReplica, is_per_replica, mark_like
+
+if TYPE_CHECKING:
+    from replicator.replicator import Replicator
 
 PyTree = Any
 log = logging.getLogger("replicator")
@@ -44,26 +52,48 @@ class CorruptCheckpointError(RuntimeError):
 
 
 class Checkpoints:
-    """A run's checkpoints, through one Orbax `CheckpointManager`.
+    """A run's checkpoints in ``directory``: asynchronous saves, restores onto ``repl``.
+
+    One Orbax `CheckpointManager` underneath. `save` starts writing in a
+    background thread and returns; `restore` places every array on ``repl``'s
+    devices, whatever devices wrote it.
 
     Args:
-      directory: where the step directories live (``WORKDIR/checkpoints``).
-      max_to_keep: how many of the latest checkpoints to keep.
+      directory: where the step directories live (the trainer uses
+        ``WORKDIR/checkpoints``); created unless ``read_only``.
+      repl: the `Replicator` whose mesh restored arrays are placed on.
+      keep: how many of the latest checkpoints to keep; None keeps all.
       keep_best: additionally keep this many checkpoints with the best
-        ``best_metric`` (from the metrics passed to `save`, or written later by a
-        sidecar evaluator with `write_metrics`); 0 disables it.
+        ``best_metric`` (from the ``metrics`` passed to `save`, or attached later
+        with `write_metrics`); 0 disables it.
       best_metric: the metric that ranks checkpoints, e.g. ``"accuracy"``.
       best_mode: ``"max"`` or ``"min"``.
-      async_save: write in a background thread. A failed background save is
-        raised by the next `save` or `check_for_errors` call, never lost.
-      read_only: open for restoring only (``eval``).
+      async_save: write in a background thread; False makes `save` block.
+      read_only: open for restoring only (never creates, writes or deletes).
+
+    Example (a custom loop saves, then resumes from the newest step):
+
+    >>> import tempfile, jax, jax.numpy as jnp
+    >>> repl = rp.Replicator()
+    >>> ckpt = rp.Checkpoints(tempfile.mkdtemp(), repl, keep=2)
+    >>> state = repl.replicate({"w": jnp.zeros(3)})
+    >>> for step in range(1, 4):
+    ...     state = {"w": state["w"] + 1}
+    ...     ckpt.save(step, state)                # returns at once
+    >>> ckpt.wait()                               # the last save is on disk
+    >>> ckpt.all_steps(), ckpt.latest_step()      # keep=2
+    ([2, 3], 3)
+    >>> abstract = jax.eval_shape(lambda: state)  # shapes only: no memory
+    >>> ckpt.restore(like=abstract)["w"].tolist()
+    [3.0, 3.0, 3.0]
     """
 
     def __init__(
         self,
-        directory: str,
+        directory: str | os.PathLike,
+        repl: Replicator,
         *,
-        max_to_keep: int = 3,
+        keep: int | None = 3,
         keep_best: int = 0,
         best_metric: str = "accuracy",
         best_mode: str = "max",
@@ -72,9 +102,13 @@ class Checkpoints:
     ):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}.")
-        self.directory = os.path.abspath(directory)
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.repl = repl
+        self.restored_step: int | None = None
         self._keep_best = keep_best
-        policies = [checkpoint_managers.LatestN(n=max_to_keep)]
+        policies = [checkpoint_managers.LatestN(n=keep)]
         if keep_best:
             policies.append(
                 checkpoint_managers.BestN(
@@ -99,9 +133,29 @@ class Checkpoints:
                 "config": ocp.JsonCheckpointHandler(),
             },
         )
+        if async_save and not read_only:
+            # A script that ends right after `save` would lose the checkpoint: at
+            # exit Python refuses the thread-pool work Orbax's writer still needs.
+            # Hooks registered here run before that pool shuts down (atexit's run
+            # after), so the last save completes.
+            threading._register_atexit(_finish_saving, weakref.ref(self._manager))
+
+    def __repr__(self) -> str:
+        return f"Checkpoints({self.directory!r}, steps {self.all_steps()})"
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def latest_step(self) -> int | None:
-        """The newest finalized checkpoint's step, or None."""
+        """The newest finalized checkpoint's step, or None when there is none.
+
+        Returns:
+          An int, or None. It counts this process's save in flight too (`restore`
+          waits for it).
+        """
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
@@ -116,96 +170,130 @@ class Checkpoints:
         self,
         step: int,
         state: PyTree,
+        data_state: Any = None,
         *,
-        data_state: dict,
-        config_json: str,
+        config: dict | None = None,
         metrics: dict[str, float] | None = None,
     ) -> None:
-        """Starts saving ``state`` at ``step``; raises if an earlier async save failed."""
+        """Starts saving ``state`` as checkpoint ``step`` and returns.
+
+        The arrays are copied off the devices, then written in a background
+        thread; the next `save`, `wait` or `close` waits for that write first
+        and raises its error if it failed. Retention (``keep``, ``keep_best``)
+        deletes older checkpoints once the new one is finalized.
+
+        Args:
+          step: the checkpoint's step number (its directory name).
+          state: any pytree of arrays: a `TrainState`, ``(params, opt_state)``,
+            per-replica values returned by `Replicator.run`, typed PRNG keys.
+          data_state: JSON-serialisable position of the input pipeline (e.g.
+            ``{"iterator": it.get_state().decode()}``), read back with
+            `saved_data_state`; None saves none.
+          config: a JSON-serialisable dict stored beside the state
+            (`saved_config`).
+          metrics: eval metrics of this step, ranked by ``keep_best``.
+
+        Raises:
+          Exception: the error of an earlier background save that failed.
+
+        Example::
+
+          ckpt.save(step, state, data_state={"epoch": 3})
+        """
         # Orbax would wait for the previous save anyway; finishing it first lets
         # reload() see its metrics along with any a sidecar evaluator added since.
         self._manager.wait_until_finished()
         self._manager.check_for_errors()
         if self._keep_best:
             self._manager.reload()
-        items = {
-            "state": ocp.args.PyTreeSave(state),
-            "data": ocp.args.JsonSave(data_state),
-            "config": ocp.args.JsonSave(json.loads(config_json)),
-        }
+        items = {"state": ocp.args.PyTreeSave(_without_marks(state))}
+        if data_state is not None:
+            items["data"] = ocp.args.JsonSave(data_state)
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(config)
         if metrics:
             # Written as Orbax's own "metrics" item, which its best-N policy reads
             # (Orbax itself writes it only when the legacy best_fn option is set).
             items["metrics"] = ocp.args.JsonSave(metrics)
         self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
-    def check_for_errors(self) -> None:
-        """Raises the error of a failed background save, if any."""
+    def wait(self) -> None:
+        """Blocks until the save in flight is finalized; raises its error if it failed."""
+        self._manager.wait_until_finished()
         self._manager.check_for_errors()
 
-    def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict]:
-        """Restores the train state onto ``abstract_state``'s shardings, and the data state.
+    def check_for_errors(self) -> None:
+        """Raises the error of a failed background save, if any, without waiting."""
+        self._manager.check_for_errors()
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def restore(
+        self,
+        like: PyTree,
+        step: int | None = None,
+        *,
+        strict: bool = False,
+        partial: bool = False,
+    ) -> PyTree:
+        """Reads checkpoint ``step`` into the structure of ``like``, on ``repl``'s devices.
+
+        Each leaf of ``like`` gives the shape, dtype and placement of a restored
+        array: a leaf with a sharding on exactly ``repl``'s devices keeps it; a
+        per-replica value (returned stacked by `Replicator.run`, or inside
+        `PerReplica`) is split one row per replica (``repl.batch_sharding``) and
+        round-trips into ``run``; every other leaf is mirrored on ``repl.mesh``.
+        So a checkpoint written on 8 devices restores onto 1 or 3.
 
         Args:
-          step: which checkpoint.
-          abstract_state: `jax.ShapeDtypeStruct`s with the current mesh's shardings
-            (e.g. from `abstract_like`).
+          like: the state to restore into: concrete arrays, or abstract ones
+            (``jax.eval_shape`` output, `jax.ShapeDtypeStruct` with or without
+            a sharding). Its values are never read.
+          step: which checkpoint; None means the newest readable one (an
+            unreadable newest checkpoint is skipped with a warning naming it).
+            The step read is left in ``self.restored_step``.
+          strict: with ``step=None``, fail on an unreadable checkpoint instead
+            of falling back to the previous one.
+          partial: ``like`` names only part of the saved state, e.g.
+            ``{"params": ...}`` of a saved `TrainState` (for evaluation); the
+            rest is neither read nor allocated.
 
         Returns:
-          ``(state, data_state)``.
+          The restored state, structured like ``like``.
 
         Raises:
-          CheckpointMismatchError: the saved state has other parameters or shapes.
+          FileNotFoundError: no checkpoint (or none for ``step``) in the directory.
+          CheckpointMismatchError: the saved state has other paths or shapes than
+            ``like``; the message lists each with both shapes.
           CorruptCheckpointError: the checkpoint's files cannot be read.
+
+        Example::
+
+          state = ckpt.restore(like=jax.eval_shape(init_state))   # the newest step
+          params = ckpt.restore(like={"params": abstract.params}, step=100, partial=True)
         """
-        self._check_structure(step, abstract_state)
-        restored = self._read(
-            step,
-            state=ocp.args.PyTreeRestore(
-                abstract_state, restore_args=_restore_args(abstract_state)
-            ),
-            data=ocp.args.JsonRestore(),
-        )
-        return restored["state"], restored["data"]
+        target = _without_marks(self._target(like))
 
-    def restore_params(self, step: int, abstract_params: PyTree) -> PyTree:
-        """Restores only ``state.params``; the optimizer state is never read."""
-        target = {"params": abstract_params}
-        self._check_structure(step, target, partial=True)
-        restored = self._read(
-            step,
-            state=ocp.args.PyTreeRestore(
-                target, restore_args=_restore_args(target), partial_restore=True
-            ),
-        )
-        return restored["state"]["params"]
+        def read(step: int) -> PyTree:
+            self._check_structure(step, target, partial=partial)
+            args = ocp.args.PyTreeRestore(
+                target, restore_args=_restore_args(target), partial_restore=partial
+            )
+            return self._read(step, state=args)["state"]
 
-    def restore_latest_good(
-        self, restore_fn, *, strict: bool = False
-    ) -> tuple[int, Any] | tuple[None, None]:
-        """Calls ``restore_fn(step)`` on the newest checkpoint that can be read.
+        return _marked_like(self._restore_readable(step, read, strict), like)
 
-        A checkpoint whose files are truncated or missing is reported with its step
-        and the error (which names the file), and the previous one is tried.
-
-        Args:
-          restore_fn: e.g. ``lambda step: checkpoints.restore(step, target)``.
-          strict: fail on the first unreadable checkpoint instead of falling back.
-
-        Returns:
-          ``(step, restore_fn(step))``, or ``(None, None)`` if there is no checkpoint.
-        """
-        for step in reversed(self.all_steps()):
-            try:
-                return step, restore_fn(step)
-            except CorruptCheckpointError as e:
-                if strict:
-                    raise
-                log.warning("%s; falling back to the previous checkpoint.", e)
-        return None, None
+    def saved_data_state(self, step: int) -> Any:
+        """The ``data_state`` saved with ``step``, or None if it was saved without one."""
+        if not os.path.isdir(os.path.join(self.directory, str(step), "data")):
+            return None
+        return self._read(step, data=ocp.args.JsonRestore())["data"]
 
     def saved_config(self, step: int) -> dict:
-        """The config saved with ``step``."""
+        """The ``config`` saved with ``step``."""
         return self._read(step, config=ocp.args.JsonRestore())["config"]
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -220,14 +308,75 @@ class Checkpoints:
             json.dump(metrics, f)
         os.replace(tmp, os.path.join(path, "metrics"))
 
-    def wait(self) -> None:
-        """Blocks until an in-progress save is finalized; raises its error if it failed."""
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+    def _target(self, like: PyTree) -> PyTree:
+        """``like`` as `jax.ShapeDtypeStruct`s with the shardings to restore onto."""
+        repl = self.repl
+        devices = set(repl.mesh.devices.flat)
 
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        def place(path, x, per_replica: bool):
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                return x  # Python scalars and strings come back as Orbax saved them
+            if per_replica or is_per_replica(x):
+                rows = x.shape[0] if x.shape else None
+                if rows != repl.num_replicas:
+                    raise CheckpointMismatchError(
+                        f"{_path_str(path)} is a per-replica value with {rows} rows, but this "
+                        f"Replicator has {repl.num_replicas} replicas. A per-replica value "
+                        f"restores only onto as many replicas as saved it: restore it onto "
+                        f"{rows} replicas, or reduce it before saving."
+                    )
+                sharding = repl.batch_sharding
+            else:
+                sharding = getattr(x, "sharding", None)
+                if not (
+                    isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == devices
+                ):
+                    sharding = repl.mirrored_sharding
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        def visit(path, node):
+            if isinstance(node, PerReplica):
+                return PerReplica(
+                    jax.tree_util.tree_map_with_path(
+                        lambda p, x: place(path + p, x, True), node.values
+                    )
+                )
+            return place(path, node, False)
+
+        return jax.tree_util.tree_map_with_path(
+            visit, like, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+
+    def _restore_readable(
+        self, step: int | None, read: Callable[[int], PyTree], strict: bool
+    ) -> PyTree:
+        """``read(step)``, or with ``step=None`` ``read`` of the newest readable step."""
+        self._manager.wait_until_finished()  # a save of this process in flight is readable
+        available = self.all_steps()
+        if step is not None:
+            if step not in available:
+                raise FileNotFoundError(
+                    f"No checkpoint for step {step} in {self.directory}; available steps: "
+                    f"{available or 'none'}."
+                )
+            result = read(step)
+            self.restored_step = step
+            return result
+        if not available:
+            raise FileNotFoundError(
+                f"No readable checkpoint in {self.directory}; available steps: none."
+            )
+        for index in reversed(range(len(available))):
+            try:
+                result = read(available[index])
+            except CorruptCheckpointError as e:
+                if strict or index == 0:
+                    raise
+                log.warning("%s; falling back to step %d.", e, available[index - 1])
+                continue
+            self.restored_step = available[index]
+            return result
+        raise AssertionError("unreachable")
 
     def _read(self, step: int, **items) -> Any:
         try:
@@ -257,14 +406,41 @@ class Checkpoints:
             shown = "\n  ".join(problems[:10])
             more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
             raise CheckpointMismatchError(
-                f"Checkpoint at step {step} in {self.directory} does not fit this model "
-                f"(saved vs expected):\n  {shown}{more}"
+                f"Checkpoint at step {step} in {self.directory} does not fit the state to "
+                f"restore (saved vs expected):\n  {shown}{more}"
             )
+
+
+def _is_marked(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+def _without_marks(tree: PyTree) -> PyTree:
+    """``tree`` with each `PerReplica` replaced by its values: the layout on disk."""
+    return jax.tree.map(lambda x: x.values if _is_marked(x) else x, tree, is_leaf=_is_marked)
+
+
+def _marked_like(restored: PyTree, like: PyTree) -> PyTree:
+    """``restored`` (read unmarked) with ``like``'s `PerReplica` wrappers and marks."""
+    marks, treedef = jax.tree.flatten(like, is_leaf=_is_marked)
+    parts = treedef.flatten_up_to(restored)
+    parts = [PerReplica(p) if _is_marked(m) else p for m, p in zip(marks, parts, strict=True)]
+    return mark_like(treedef.unflatten(parts), like)
+
+
+def _finish_saving(manager_ref: weakref.ref) -> None:
+    manager = manager_ref()
+    if manager is not None:
+        manager.wait_until_finished()
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "the state"
 
 
 def _shapes(tree: PyTree) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): _stored_shape(x) for p, x in flat}
+    return {_path_str(p): _stored_shape(x) for p, x in flat}
 
 
 def _stored_shape(x: Any) -> tuple:
@@ -272,7 +448,7 @@ def _stored_shape(x: Any) -> tuple:
     dtype = getattr(x, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return tuple(jax.eval_shape(jax.random.key_data, x).shape)
-    return tuple(x.shape)
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
 def _mismatches(saved: dict[str, tuple], expected: dict[str, tuple], *, partial: bool) -> list[str]:
@@ -284,7 +460,7 @@ def _mismatches(saved: dict[str, tuple], expected: dict[str, tuple], *, partial:
             problems.append(f"{path}: saved shape {saved[path]}, expected {shape}")
     if not partial:
         for path in saved.keys() - expected.keys():
-            problems.append(f"{path}: in the checkpoint (shape {saved[path]}) but not in the model")
+            problems.append(f"{path}: in the checkpoint (shape {saved[path]}) but not expected")
     return sorted(problems)
 
 
@@ -293,46 +469,8 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:500] if text else repr(error)
 
 
-def _restore_args(abstract: PyTree) -> PyTree:
-    return ocp.checkpoint_utils.construct_restore_args(abstract)
-
-
-def abstract_like(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
-    """`jax.ShapeDtypeStruct`s of ``tree``'s leaves, all placed with ``sharding``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Lists the keys whose values differ between two config dicts.
-
-    >>> config_differences({"a": 1, "m": {"b": 2}}, {"a": 1, "m": {"b": 3}, "c": 0})
-    ['c: (absent) -> 0', 'm.b: 2 -> 3']
-    """
-    out = []
-    for key in sorted(saved.keys() | current.keys()):
-        old, new = saved.get(key, "(absent)"), current.get(key, "(absent)")
-        if isinstance(old, dict) and isinstance(new, dict):
-            out += config_differences(old, new, f"{prefix}{key}.")
-        elif _normalize(old) != _normalize(new):
-            out.append(f"{prefix}{key}: {old} -> {new}")
-    return out
-
-
-def _normalize(value: Any) -> Any:
-    # JSON turns tuples into lists; compare them as equal.
-    return json.loads(json.dumps(value, default=str)) if value != "(absent)" else value
-
-
-class Preempted(Exception):
-    """Training stopped early on SIGTERM/SIGINT after saving a checkpoint."""
-
-    def __init__(self, step: int, directory: str):
-        super().__init__(
-            f"Preempted: saved a checkpoint at step {step} in {directory}. Run the same "
-            "command again to resume from it."
-        )
-        self.step = step
-        self.directory = directory
+def _restore_args(target: PyTree) -> PyTree:
+    return ocp.checkpoint_utils.construct_restore_args(target)
 
 
 def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
@@ -353,84 +491,3 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
         )
         handlers = [(t, array if t is jax.Array else h) for t, h in handlers]
     return ocp.type_handlers.create_type_handler_registry(*handlers)
-
-
-class PreemptionWatcher:
-    """Turns SIGTERM and SIGINT into one agreed stopping step for every process.
-
-    A signal only sets a flag (handlers are installed in the main thread, Python's
-    rule). The loop asks `stop_step` at every step boundary. With one process
-    the answer is the current step. With several, the first process to see a
-    signal proposes ``its step + margin`` through JAX's coordination service
-    (key-value store, not an XLA collective) and every process polls it, so all
-    stop after the same step; the margin exceeds how far apart the processes'
-    host loops can be (they are coupled through the bounded steps in flight).
-    A second SIGINT stops at once.
-
-    Args:
-      margin: steps between the proposal and the agreed stop (multi-process).
-      signals: the signals to catch.
-    """
-
-    _KEY = "replicator/preemption_stop_step"
-
-    def __init__(self, margin: int = 4, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
-        self._event = threading.Event()
-        self._margin = margin
-        self._agreed: int | None = None
-        self._proposed = False
-        self.signal_name: str | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        del frame
-        if self._event.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means "now"
-        self.signal_name = signal.Signals(signum).name
-        self._event.set()
-
-    def requested(self) -> bool:
-        """True once this process got a signal."""
-        return self._event.is_set()
-
-    def stop_step(self, step: int) -> int | None:
-        """The step after which every process stops, once known; else None."""
-        if self._agreed is not None:
-            return self._agreed
-        if jax.process_count() == 1:
-            return step if self._event.is_set() else None
-        client = _coordination_client()
-        if self._event.is_set() and not self._proposed:
-            self._proposed = True
-            try:
-                client.key_value_set(self._KEY, str(step + self._margin))
-            except Exception:  # another process proposed first; its step wins
-                pass
-        try:
-            self._agreed = int(client.key_value_try_get(self._KEY))
-        except Exception:  # not proposed yet
-            return None
-        if self._agreed < step:
-            raise RuntimeError(
-                f"Process {jax.process_index()} is at step {step}, past the agreed preemption "
-                f"step {self._agreed}; raise PreemptionWatcher's margin."
-            )
-        self.signal_name = self.signal_name or "a signal to another process"
-        return self._agreed
-
-    def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-
-def _coordination_client():
-    # JAX's coordination-service client; public API exposes no key-value store yet.
-    from jax._src.distributed import global_state
-
-    if global_state.client is None:
-        raise RuntimeError("Several JAX processes but no jax.distributed client.")
-    return global_state.client

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
+from replicator.runtime import compat
+
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 SEVERAL_DEVICES_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
@@ -128,11 +130,8 @@ def _max_pool_grad(source, operand, *, window_dimensions):
 
 
 def _lowering_rule(prim, platform: str):
-    # JAX keeps registered lowerings in private tables (pinned jax version).
-    from jax._src.interpreters import mlir as mlir_internal
-
-    entry = mlir_internal._platform_specific_lowerings[platform].get(prim)
-    return (entry or mlir_internal._lowerings[prim]).rule
+    # JAX keeps registered lowerings in private tables: see runtime.compat.
+    return compat.lowering_rule(prim, platform)
 
 
 def _reduce_window_max_lowering(default_rule, ctx, operand, **params):
@@ -165,11 +164,10 @@ def install_max_pool_lowering() -> None:
     global _installed
     if _installed:
         return
-    from jax._src.lax import windowed_reductions as wr
-
+    pool, pool_grad = compat.max_pool_primitives()
     for prim, rule in (
-        (wr.reduce_window_max_p, _reduce_window_max_lowering),
-        (wr.select_and_scatter_add_p, _select_and_scatter_add_lowering),
+        (pool, _reduce_window_max_lowering),
+        (pool_grad, _select_and_scatter_add_lowering),
     ):
         default_rule = _lowering_rule(prim, "cpu")
         mlir.register_lowering(prim, functools.partial(rule, default_rule), platform="cpu")

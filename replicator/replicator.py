@@ -729,6 +729,10 @@ def _in_global_view(fn: Callable) -> Callable:
         with global_view():
             return fn(*args, **kwargs)
 
+    # Named after the step in compile logs, profiles and HLO dumps: jit_<fn>.
+    global_step.__name__ = getattr(
+        fn, "__name__", getattr(getattr(fn, "func", None), "__name__", "step")
+    )
     return global_step
 
 

@@ -29,7 +29,7 @@ def devices():
 def digits_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tfds data_dir with the offline ``digits`` dataset built once per session."""
     import experiments.datasets  # noqa: F401  (registers the "digits" builder)
-    from replicator import data
+    from replicator.trainer import data
 
     path = str(tmp_path_factory.mktemp("tfds"))
     data.load_data_source("digits", "train", data_dir=path)  # builds both splits

@@ -1,6 +1,8 @@
 """Checkpoints: exact resume after SIGKILL/SIGTERM, restore anywhere, faults are loud."""
 
+import doctest
 import errno
+import inspect
 import json
 import os
 import re
@@ -17,9 +19,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import replicator as rp
-from replicator import checkpoint as ckpt
-from replicator import train
+from replicator import checkpoint as ckpt_lib
+from replicator import trainer
 from replicator.state import TrainState
+from replicator.trainer import config as config_lib
 from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,10 +71,16 @@ def wait_for(predicate, proc, timeout=120):
 
 
 def final_params(workdir):
-    """The last checkpoint's parameters, read with plain Orbax (no replicator)."""
-    directory = os.path.join(workdir, "checkpoints")
-    step = max(int(d) for d in os.listdir(directory) if d.isdigit())
-    restored = ocp.PyTreeCheckpointer().restore(os.path.join(directory, str(step), "state"))
+    """The last checkpoint's parameters, read with plain Orbax (no replicator), as numpy."""
+    directory = workdir / "checkpoints"
+    step = max(int(d.name) for d in directory.iterdir() if d.name.isdigit())
+    path = (directory / str(step) / "state").absolute()
+    handler = ocp.PyTreeCheckpointHandler()
+    target = {"params": handler.metadata(path).tree["params"]}
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    restored = ocp.Checkpointer(handler).restore(
+        path, args=ocp.args.PyTreeRestore(target, restore_args=as_numpy, partial_restore=True)
+    )
     return step, restored["params"]
 
 
@@ -128,7 +137,7 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path, digits_data_dir, uninter
     assert_same_run(workdir, uninterrupted)
 
 
-# ---- In-process tests of the Checkpoints class.
+# ---- The Checkpoints class, as a custom loop uses it.
 
 
 def small_state(width=3):
@@ -140,26 +149,159 @@ def small_state(width=3):
 
 
 def save_steps(directory, steps, **kwargs):
-    manager = ckpt.Checkpoints(str(directory), **kwargs)
+    manager = rp.Checkpoints(directory, rp.Replicator(), **kwargs)
     state = small_state()
     for step, metrics in steps:
-        manager.save(
-            step, state, data_state={"iterator": "{}"}, config_json='{"a": 1}', metrics=metrics
-        )
+        manager.save(step, state, {"iterator": "{}"}, config={"a": 1}, metrics=metrics)
     manager.close()
     return state
 
 
-def test_restore_onto_other_device_counts(tmp_path):
-    state = save_steps(tmp_path, [(1, None)])
-    manager = ckpt.Checkpoints(str(tmp_path), read_only=True)
+def reader(directory, devices=None):
+    return rp.Checkpoints(directory, rp.Replicator(devices=devices), read_only=True)
+
+
+def make_state():
+    """A TrainState after one Adam step: params, Adam moments, a typed key, model state."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {
+        "dense": {"kernel": jax.random.normal(k1, (5, 3)), "bias": jnp.arange(3.0)},
+        "embed": jax.random.normal(k2, (8, 6)),
+    }
+    tx = optax.adam(1e-2)
+    state = rp.TrainState.create(
+        params, tx, jax.random.key(7), model_state={"mean": jnp.linspace(0.0, 1.0, 4)}
+    )
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.1, params)
+    return state.apply_gradients(grads, tx).replace(step=jnp.int32(1))
+
+
+def host_leaves(tree):
+    """``{path: numpy array}``, typed keys as their key data: comparable bit for bit."""
+
+    def host(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): host(x) for p, x in flat}
+
+
+RESTORE_SCRIPT = """
+directory, out = sys.argv[1:]
+repl = rp.Replicator(devices=jax.devices()[:3])  # all there are: 1 or 3
+ckpt = rp.Checkpoints(directory, repl, read_only=True)
+restored = ckpt.restore(like=jax.eval_shape(make_state))
+concrete = ckpt.restore(like=make_state(), step=ckpt.latest_step())
+leaves = host_leaves(restored)
+np.savez(out + ".npz", **leaves)
+report = {
+    "type": type(restored).__name__,
+    "step": ckpt.restored_step,
+    "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(restored)}),
+    "same_from_concrete_like": all(
+        np.array_equal(leaves[k], v, equal_nan=True) for k, v in host_leaves(concrete).items()
+    ),
+}
+json.dump(report, open(out + ".json", "w"))
+"""
+
+
+def test_restores_bitwise_onto_1_and_3_devices_in_fresh_processes(tmp_path):
+    repl = rp.Replicator()  # 8 devices
+    state = repl.replicate(make_state())
+    # One leaf split over the 8 devices, as a sharded parameter is.
+    embed = jax.device_put(state.params["embed"], repl.batch_sharding)
+    state = state.replace(params={**state.params, "embed": embed})
+    with rp.Checkpoints(tmp_path / "ckpt", repl) as ckpt:
+        ckpt.save(1, state)
+    expected = host_leaves(state)
+    source = "\n".join(
+        [
+            "import json, sys\nimport jax, jax.numpy as jnp, numpy as np, optax",
+            "import replicator as rp",
+            inspect.getsource(host_leaves),
+            inspect.getsource(make_state),
+            RESTORE_SCRIPT,
+        ]
+    )
+    procs = {}
+    for n in (1, 3):
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+            JAX_PLATFORMS="cpu",
+        )
+        cmd = [sys.executable, "-c", source]
+        cmd += [str(tmp_path / "ckpt"), str(tmp_path / f"out{n}")]
+        procs[n] = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    for n, proc in procs.items():
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        report = json.loads((tmp_path / f"out{n}.json").read_text())
+        assert report == {
+            "type": "TrainState",
+            "step": 1,
+            "devices": [n],
+            "same_from_concrete_like": True,
+        }
+        got = dict(np.load(tmp_path / f"out{n}.npz"))
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype and np.array_equal(got[key], value), key
+
+
+def test_restore_places_leaves_on_the_replicator(tmp_path):
+    save_steps(tmp_path, [(1, None)])
     for n in (1, 3, 8):
-        repl = rp.Replicator(devices=jax.devices()[:n])
-        restored, data_state = manager.restore(1, ckpt.abstract_like(state, repl.mirrored_sharding))
-        assert restored.params["dense"]["kernel"].sharding.num_devices == n
-        assert data_state == {"iterator": "{}"}
+        ckpt = reader(tmp_path, jax.devices()[:n])
+        restored = ckpt.restore(like=jax.eval_shape(small_state))
+        assert restored.params["dense"]["kernel"].sharding == ckpt.repl.mirrored_sharding
+        assert ckpt.saved_data_state(1) == {"iterator": "{}"}
+        assert ckpt.saved_config(1) == {"a": 1}
+        # Only the fields eval needs: the optimizer state is not read.
+        like = jax.eval_shape(lambda: {"params": small_state().params, "model_state": None})
+        part = ckpt.restore(like, partial=True)
+        assert part["model_state"] is None and part["params"]["dense"]["bias"].shape == (3,)
         np.testing.assert_array_equal(restored.params["dense"]["kernel"], 1.0)
-        assert jax.random.key_data(restored.rng).tolist() == jax.random.key_data(state.rng).tolist()
+        assert (
+            jax.random.key_data(restored.rng).tolist()
+            == jax.random.key_data(small_state().rng).tolist()
+        )
+    # A leaf whose sharding is on the Replicator's devices keeps it.
+    repl = rp.Replicator()
+    split = jax.sharding.NamedSharding(repl.mesh, jax.sharding.PartitionSpec(None, "data"))
+    like = jax.eval_shape(lambda: small_state(width=8))
+    kernel = like.params["dense"]["kernel"]
+    like.params["dense"]["kernel"] = jax.ShapeDtypeStruct(
+        kernel.shape, kernel.dtype, sharding=split
+    )
+    with rp.Checkpoints(tmp_path / "wide", repl) as ckpt:
+        ckpt.save(3, small_state(width=8))
+        assert ckpt.restore(like).params["dense"]["kernel"].sharding == split
+        assert ckpt.saved_data_state(3) is None
+
+
+def test_keep_is_honoured_and_latest_step(tmp_path):
+    ckpt = rp.Checkpoints(tmp_path, rp.Replicator(), keep=2)
+    assert ckpt.latest_step() is None
+    for step in range(1, 6):
+        ckpt.save(step, small_state())
+    ckpt.wait()
+    assert ckpt.latest_step() == 5
+    assert ckpt.all_steps() == [4, 5]
+    ckpt.close()
+    assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+
+
+def test_no_checkpoint_is_a_file_not_found_error_naming_the_directory(tmp_path):
+    ckpt = rp.Checkpoints(tmp_path / "none", rp.Replicator())
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "none"))):
+        ckpt.restore(like=small_state())
+    save_steps(tmp_path / "some", [(2, None)])
+    with pytest.raises(FileNotFoundError, match=r"step 5 .*available steps: \[2\]"):
+        reader(tmp_path / "some").restore(like=small_state(), step=5)
 
 
 def test_torn_tmp_checkpoint_is_ignored(tmp_path):
@@ -167,8 +309,7 @@ def test_torn_tmp_checkpoint_is_ignored(tmp_path):
     torn = tmp_path / "2.orbax-checkpoint-tmp-1234"
     (torn / "state").mkdir(parents=True)
     (torn / "state" / "garbage").write_bytes(b"\0" * 10)
-    manager = ckpt.Checkpoints(str(tmp_path), read_only=True)
-    assert manager.all_steps() == [1]
+    assert reader(tmp_path).all_steps() == [1]
 
 
 def test_truncated_checkpoint_falls_back_or_fails_strictly(tmp_path, caplog):
@@ -181,48 +322,84 @@ def test_truncated_checkpoint_falls_back_or_fails_strictly(tmp_path, caplog):
     ]
     for path in data_files or [str(tmp_path / "2" / "state" / "manifest.ocdbt")]:
         os.truncate(path, 0)
-    manager = ckpt.Checkpoints(str(tmp_path), read_only=True)
-    target = ckpt.abstract_like(state, rp.Replicator().mirrored_sharding)
-    step, _ = manager.restore_latest_good(lambda s: manager.restore(s, target))
-    assert step == 1
-    assert "step 2" in caplog.text and "falling back" in caplog.text
-    with pytest.raises(ckpt.CorruptCheckpointError, match="step 2"):
-        manager.restore_latest_good(lambda s: manager.restore(s, target), strict=True)
+    ckpt = reader(tmp_path)
+    restored = ckpt.restore(like=state)
+    assert ckpt.restored_step == 1
+    np.testing.assert_array_equal(restored.params["dense"]["kernel"], 1.0)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "replicator"]
+    assert "step 2" in warning and "falling back to step 1" in warning
+    assert "\n" not in warning
+    with pytest.raises(ckpt_lib.CorruptCheckpointError, match="step 2"):
+        ckpt.restore(like=state, strict=True)
 
 
-def test_shape_mismatch_names_the_parameters(tmp_path):
+def test_mismatched_like_lists_paths_and_both_shapes(tmp_path):
     save_steps(tmp_path, [(1, None)])
-    manager = ckpt.Checkpoints(str(tmp_path), read_only=True)
-    other = ckpt.abstract_like(small_state(width=5), rp.Replicator().mirrored_sharding)
+    ckpt = reader(tmp_path)
+    other = jax.eval_shape(lambda: small_state(width=5))
     with pytest.raises(
-        ckpt.CheckpointMismatchError,
+        ckpt_lib.CheckpointMismatchError,
         match=r"params/dense/bias: saved shape \(3,\), expected \(5,\)",
-    ):
-        manager.restore(1, other)
-    with pytest.raises(ckpt.CheckpointMismatchError, match="params/dense/kernel"):
-        manager.restore_params(1, other.params)
+    ) as error:
+        ckpt.restore(like=other)
+    assert "params/dense/kernel: saved shape (4, 3), expected (4, 5)" in str(error.value)
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match="params/dense/kernel"):
+        ckpt.restore(like={"params": other.params}, partial=True)
+    # Another structure: a parameter the checkpoint lacks, one it has that is not asked for.
+    renamed = small_state()
+    renamed = renamed.replace(params={"dense": renamed.params["dense"], "head": jnp.ones(2)})
+    with pytest.raises(ckpt_lib.CheckpointMismatchError) as error:
+        ckpt.restore(like=renamed.replace(opt_state=()))
+    message = str(error.value)
+    assert "params/head: missing from the checkpoint, expected shape (2,)" in message
+    assert "opt_state/0/mu/dense/kernel: in the checkpoint (shape (4, 3))" in message
+
+
+def test_per_replica_values_round_trip_through_a_checkpoint(tmp_path):
+    repl = rp.Replicator()
+    batch = repl.shard_batch(np.arange(16.0, dtype=np.float32))
+    # Per-replica state as a pmap program keeps it: a different value on each replica.
+    stats = repl.run(lambda b: b.sum(), batch)
+    assert stats.shape == (8,)
+    state = {
+        "stats": stats,
+        "w": repl.replicate(jnp.ones(3)),
+        "host": rp.PerReplica(np.ones(8, np.float32)),
+    }
+    with rp.Checkpoints(tmp_path, repl) as ckpt:
+        ckpt.save(1, state)
+    restored = reader(tmp_path).restore(like=state)
+    assert isinstance(restored["host"], rp.PerReplica)
+    np.testing.assert_array_equal(restored["stats"], stats)
+
+    def step(stats, host, batch):
+        assert stats.shape == () and host.shape == ()  # each replica: its own row
+        return stats + batch.sum(), host + rp.get_replica_context().replica_id
+
+    stats, host = repl.run(step, restored["stats"], restored["host"], batch)
+    np.testing.assert_array_equal(stats, 2 * np.arange(16.0).reshape(8, 2).sum(1))
+    np.testing.assert_array_equal(host, 1 + np.arange(8))
+    # Onto another number of replicas: an error that names both numbers.
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match="8 rows.* 4 replicas"):
+        reader(tmp_path, jax.devices()[:4]).restore(like=state)
 
 
 def test_best_n_retention_keeps_latest_and_best(tmp_path):
     accuracies = {1: 0.5, 2: 0.9, 3: 0.6, 4: 0.95, 5: 0.7, 6: 0.4, 7: 0.3}
-    save_steps(
-        tmp_path, [(s, {"accuracy": a}) for s, a in accuracies.items()], max_to_keep=2, keep_best=2
-    )
-    assert ckpt.Checkpoints(str(tmp_path), read_only=True).all_steps() == [2, 4, 6, 7]
+    save_steps(tmp_path, [(s, {"accuracy": a}) for s, a in accuracies.items()], keep=2, keep_best=2)
+    assert reader(tmp_path).all_steps() == [2, 4, 6, 7]
 
 
 def test_sidecar_metrics_feed_best_n(tmp_path):
-    save_steps(tmp_path, [(1, None), (2, None)], max_to_keep=2, keep_best=1)
-    manager = ckpt.Checkpoints(str(tmp_path), max_to_keep=2, keep_best=1)
+    save_steps(tmp_path, [(1, None), (2, None)], keep=2, keep_best=1)
+    manager = rp.Checkpoints(tmp_path, rp.Replicator(), keep=2, keep_best=1)
     manager.write_metrics(1, {"accuracy": 0.99})  # as `eval --follow` does, later
     manager.write_metrics(2, {"accuracy": 0.10})
     for step, accuracy in ((3, 0.2), (4, 0.3)):
-        manager.save(
-            step, small_state(), data_state={}, config_json="{}", metrics={"accuracy": accuracy}
-        )
+        manager.save(step, small_state(), metrics={"accuracy": accuracy})
     manager.close()
     # Latest 2 are {3, 4}; the best is step 1, known only from the sidecar's metrics.
-    assert ckpt.Checkpoints(str(tmp_path), read_only=True).all_steps() == [1, 3, 4]
+    assert reader(tmp_path).all_steps() == [1, 3, 4]
 
 
 def test_failed_async_save_is_raised_and_keeps_previous(tmp_path, monkeypatch):
@@ -237,19 +414,76 @@ def test_failed_async_save_is_raised_and_keeps_previous(tmp_path, monkeypatch):
         return await real_rename(src, dst)
 
     monkeypatch.setattr(async_path, "rename", full_disk)
-    manager = ckpt.Checkpoints(str(tmp_path))
-    manager.save(2, state, data_state={}, config_json="{}")
+    manager = rp.Checkpoints(tmp_path, rp.Replicator())
+    manager.save(2, state)
     with pytest.raises(Exception, match="No space left"):
         manager.wait()
     monkeypatch.setattr(async_path, "rename", real_rename)
-    reader = ckpt.Checkpoints(str(tmp_path), read_only=True)
-    assert reader.all_steps() == [1]
-    restored, _ = reader.restore(1, ckpt.abstract_like(state, rp.Replicator().mirrored_sharding))
+    ckpt = reader(tmp_path)
+    assert ckpt.all_steps() == [1]
+    restored = ckpt.restore(like=state)
     np.testing.assert_array_equal(restored.params["dense"]["kernel"], 1.0)
 
 
+def guide_orbax_recipe():
+    """The first python block of the guide's "Reading a checkpoint with Orbax alone"."""
+    with open(os.path.join(ROOT, "docs", "guide.md")) as f:
+        section = f.read().split("### Reading a checkpoint with Orbax alone\n", 1)[1]
+    section = re.split(r"\n##+ ", section, maxsplit=1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_guide_orbax_recipe_runs_as_written(tmp_path, digits_data_dir):
+    recipe = guide_orbax_recipe()
+    assert "replicator" not in recipe and recipe.count("runs/digits_cnn") == 1
+    workdir = tmp_path / "digits_cnn"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    train_cmd = [sys.executable, "-m", "replicator", "train", "--config"]
+    train_cmd += ["configs/digits_cnn.py:smoke", "--workdir", str(workdir)]
+    train_cmd += [f"--config.data_dir={digits_data_dir}", "--quiet"]
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    done = subprocess.run(train_cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check = (
+        "\nimport sys\n"
+        "assert 'replicator' not in sys.modules\n"
+        "flat = jax.tree_util.tree_flatten_with_path(params)[0]\n"
+        "np.savez(sys.argv[1], **{jax.tree_util.keystr(p): x for p, x in flat})\n"
+        "print(step)\n"
+    )
+    script = recipe.replace("runs/digits_cnn", str(workdir)) + check
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # trained on 8
+    out = tmp_path / "params.npz"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["4"]  # the smoke run's last step
+    got = dict(np.load(out))
+    reference = rp.Checkpoints(workdir / "checkpoints", rp.Replicator(), read_only=True)
+    saved = ocp.PyTreeCheckpointHandler().metadata(workdir / "checkpoints" / "4" / "state")
+    like = {"params": saved.tree["params"]}  # shapes, dtypes
+    params = reference.restore(like, partial=True)["params"]
+    expected = {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    assert got.keys() == expected.keys() and "['Conv_0']['kernel']" in got
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value)
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(ckpt_lib, extraglobs={"rp": rp})
+    assert result.attempted and not result.failed
+
+
 def test_config_differences_are_listed():
-    diffs = ckpt.config_differences(
+    diffs = config_lib.config_differences(
         {"lr": 0.1, "model": {"w": 64}, "mesh": {"data": -1}},
         {"lr": 0.2, "model": {"w": 64}, "mesh": {"data": -1}},
     )
@@ -265,9 +499,10 @@ def test_sidecar_follow_evaluates_every_checkpoint(tmp_path, digits_data_dir):
         checkpoint_every_steps=2,
         eval_every_steps=6,
         keep_best_checkpoints=1,
+        best_metric="accuracy",
     )
-    final = train.train_and_evaluate(config, str(tmp_path), quiet=True)
-    results = train.follow(config, str(tmp_path), devices=jax.devices()[:3], timeout_s=2)
+    final = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+    results = trainer.follow(config, str(tmp_path), devices=jax.devices()[:3], timeout_s=2)
     assert [r["step"] for r in results] == [2, 4, 6]
     assert all(r["num_examples"] == 360 for r in results)
     assert results[-1]["accuracy"] == pytest.approx(final["accuracy"])

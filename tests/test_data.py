@@ -12,7 +12,7 @@ from sklearn.datasets import load_digits
 import experiments.datasets  # noqa: F401  (registers the "digits" builder)
 from experiments.datasets import digits
 from experiments.datasets.base import LocalBuilder
-from replicator import data
+from replicator.trainer import data
 
 
 @pytest.fixture(scope="module")
@@ -520,7 +520,11 @@ def test_mock_data_stands_in_for_download_based_datasets(tmp_path):
 # Doctests of the public functions.
 
 
-@pytest.mark.parametrize("module", [data, digits])
+@pytest.mark.parametrize(
+    "module",
+    [data.records, data.cache, data.iterators, data.sources, digits],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples_run(module, data_dir):
     result = doctest.testmod(
         module, extraglobs={"data_dir": data_dir}, optionflags=doctest.ELLIPSIS

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator import launch
-from replicator.mesh import ProcessGroup, build_mesh, detect_process_group
+from replicator.mesh import build_mesh
+from replicator.runtime import launch
+from replicator.runtime.processes import ProcessGroup, detect_process_group
 from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,8 +84,8 @@ def test_two_processes_train_like_one(tmp_path, digits_data_dir, one_by_eight):
         )
     )
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "[0] Final test accuracy after 30 steps" in done.stdout
-    assert "[1] Final test accuracy" not in done.stdout  # only process 0 reports
+    assert "[0] Final test metrics after 30 steps" in done.stdout
+    assert "[1] Final test metrics" not in done.stdout  # only process 0 reports
     ours, reference = read_records(workdir), read_records(one_by_eight)
     train_losses = [(r["step"], r["loss"]) for r in ours if "split" not in r]
     expected = [(r["step"], r["loss"]) for r in reference if "split" not in r]
@@ -258,7 +259,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_d
     done = run(cmd)
     assert done.returncode == 0, done.stdout[-3000:]
     assert f"Resumed from step {saved}" in done.stdout
-    assert "Final test accuracy after 400 steps" in done.stdout
+    assert "Final test metrics after 400 steps" in done.stdout
 
 
 _ACROSS_PROCESSES = """

@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator import checkpoint as ckpt
 from tests.test_replicator import init_params, per_example_loss
 
 BATCH = 32
@@ -142,33 +141,31 @@ def test_loss_scale_survives_a_checkpoint(tmp_path):
     tx = optax.adam(0.1)
     scale = rp.LossScale.create(1024.0).update(jnp.bool_(False))
     state = rp.TrainState.create(init_params(), tx, jax.random.key(0), loss_scale=scale)
-    manager = ckpt.Checkpoints(str(tmp_path))
-    manager.save(1, state, data_state={}, config_json="{}")
+    manager = rp.Checkpoints(str(tmp_path), repl)
+    manager.save(1, state)
     manager.close()
-    restored, _ = ckpt.Checkpoints(str(tmp_path), read_only=True).restore(
-        1, ckpt.abstract_like(state, repl.mirrored_sharding)
-    )
+    restored = rp.Checkpoints(str(tmp_path), repl, read_only=True).restore(like=state)
     assert float(restored.loss_scale.scale) == 512.0
     assert int(restored.loss_scale.good_steps) == 0
     assert restored.loss_scale.growth_interval == scale.growth_interval
 
 
 def test_nonfinite_halt_names_the_step_and_records_the_batch(tmp_path, digits_data_dir):
-    from replicator import train
+    from replicator import trainer
     from tests.test_train import load_config
 
     config = load_config(
         data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd", num_train_steps=6
     )
     with pytest.raises(FloatingPointError, match=r"at step (\d+).*recorded in") as info:
-        train.train_and_evaluate(config, str(tmp_path), quiet=True)
+        trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
     records = list((tmp_path / "nonfinite").iterdir())
     assert len(records) == 1 and records[0].name.startswith("step_")
     assert records[0].name.split("_")[1].split(".")[0] in str(info.value)
 
 
 def test_nonfinite_skip_keeps_training(tmp_path, digits_data_dir):
-    from replicator import train
+    from replicator import trainer
     from tests.test_train import load_config
 
     config = load_config(
@@ -178,6 +175,6 @@ def test_nonfinite_skip_keeps_training(tmp_path, digits_data_dir):
         num_train_steps=6,
         nonfinite="skip",
     )
-    result = train.train_and_evaluate(config, str(tmp_path), quiet=True)
+    result = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
     assert result["step"] == 6
     assert len(list((tmp_path / "nonfinite").iterdir())) >= 1

@@ -11,7 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from replicator import train
+from replicator import trainer
+from replicator.trainer.setup import setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +41,7 @@ def trained(tmp_path_factory, digits_data_dir):
         checkpoint_every_steps=3,
         log_every_steps=3,
     )
-    result = train.train_and_evaluate(config, workdir, quiet=True)
+    result = trainer.train_and_evaluate(config, workdir, quiet=True)
     return config, workdir, result
 
 
@@ -68,7 +69,7 @@ def test_train_writes_metrics_events_and_checkpoints(trained):
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
 def test_eval_restores_onto_any_device_count(trained, num_devices):
     config, workdir, result = trained
-    got = train.evaluate(config, workdir, devices=jax.devices()[:num_devices])
+    got = trainer.evaluate(config, workdir, devices=jax.devices()[:num_devices])
     assert got["step"] == 6 and got["num_examples"] == 360
     assert got["accuracy"] == pytest.approx(result["accuracy"], abs=1e-9)
     assert got["loss"] == pytest.approx(result["loss"], rel=1e-5)
@@ -78,14 +79,14 @@ def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
     results = {}
     for path in ("run", "compile"):
         config = load_config(data_dir=digits_data_dir, step_path=path)
-        results[path] = train.train_and_evaluate(config, str(tmp_path / path), quiet=True)
+        results[path] = trainer.train_and_evaluate(config, str(tmp_path / path), quiet=True)
     assert results["run"]["loss"] == pytest.approx(results["compile"]["loss"], rel=1e-4)
     assert results["run"]["accuracy"] == pytest.approx(results["compile"]["accuracy"], abs=0.01)
 
 
 def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
     with pytest.raises(FileNotFoundError, match="No readable checkpoint.*available steps: none"):
-        train.evaluate(load_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
+        trainer.evaluate(load_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize(
@@ -108,15 +109,15 @@ def test_bad_config_fails_before_the_workdir_is_touched(
     )
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match=match):
-        train.train_and_evaluate(config, str(workdir), quiet=True)
+        trainer.train_and_evaluate(config, str(workdir), quiet=True)
     assert not workdir.exists()
 
 
 def test_missing_key_is_named(digits_data_dir):
     config = load_config(data_dir=digits_data_dir)
-    del config["seed"]
-    with pytest.raises(ValueError, match="missing required key 'seed'"):
-        train.setup(config)
+    del config["batch_size"]
+    with pytest.raises(ValueError, match="missing required key 'batch_size'"):
+        setup(config)
 
 
 def run_cli(*args, devices=2):
@@ -142,7 +143,7 @@ def test_cli_train_then_eval(tmp_path, digits_data_dir):
     ]
     done = run_cli("train", *common, "--config.batch_size=32", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Final test accuracy after 4 steps" in done.stdout
+    assert "Final test metrics after 4 steps: loss" in done.stdout
     assert json.loads(open(f"{workdir}/config.json").read())["batch_size"] == 32
 
     done = run_cli("eval", *common, devices=3)

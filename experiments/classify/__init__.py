@@ -1,8 +1,10 @@
-"""Image classification: the tf.distribute tutorial CNN with softmax cross-entropy."""
+"""Image classification: the tf.distribute tutorial's CNN or flax's ImageNet ResNet.
 
+Importing it registers the offline datasets this repository defines (``digits``).
+"""
+
+import experiments.datasets  # noqa: F401  (registers the local tfds builders)
 from experiments.classify.model import CNN as CNN
-from experiments.classify.task import init_params as init_params
-from experiments.classify.task import make_eval_step as make_eval_step
-from experiments.classify.task import make_model as make_model
-from experiments.classify.task import make_train_step as make_train_step
+from experiments.classify.resnet import ResNet as ResNet
+from experiments.classify.task import make_experiment as make_experiment
 from experiments.classify.task import preprocess as preprocess

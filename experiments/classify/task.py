@@ -1,12 +1,16 @@
-"""Classification task: preprocessing, train step and eval step.
+"""Image classification: preprocessing, the train and eval steps, and the metrics.
 
 The steps are written once, for one device, in the per-replica style:
 `rp.compute_average_loss` divides by the global batch and the wrapped optimizer
 sums the gradients, so the same functions run under `Replicator.run` and
-`Replicator.compile`.
+`Replicator.compile`. Models with BatchNorm (the ResNet) keep their statistics
+in `rp.TrainState.model_state`, averaged over the replicas (``axis_name``).
 """
 
-from collections.abc import Callable
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,65 +20,104 @@ import optax
 
 import replicator as rp
 from experiments.classify.model import CNN
-from replicator.state import TrainState
+from experiments.classify.resnet import ResNet
+from replicator.trainer import Experiment, Settings
 
 
-def preprocess(batch: dict[str, Any]) -> dict[str, np.ndarray]:
+def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """uint8 images -> float32 in [0, 1]; labels -> int32.
 
     The loader calls it once per batch, on the examples stacked along axis 0;
     being elementwise, it also maps a single example.
     """
-    return {
+    out = {
         "image": np.asarray(batch["image"], np.float32) / 255.0,
         "label": np.asarray(batch["label"], np.int32),
     }
+    if "mask" in batch:
+        out["mask"] = np.asarray(batch["mask"])
+    return out
 
 
-def make_model(**model_kwargs: Any) -> CNN:
-    """The CNN; the trainer applies the precision policy around it."""
-    return CNN(**model_kwargs)
+def make_experiment(settings: Settings) -> Experiment:
+    """The classification experiment, from ``config.model`` (`classifier`'s arguments)."""
+    return classifier(settings, **settings.model)
 
 
-def init_params(model: CNN, rng: jax.Array, example: dict[str, np.ndarray]) -> Any:
-    """Initial parameters, shaped by one preprocessed example."""
-    return model.init(rng, jnp.asarray(example["image"])[None])["params"]
+def classifier(
+    settings: Settings,
+    *,
+    arch: str = "cnn",
+    num_classes: int = 10,
+    conv_features: Sequence[int] = (32, 64),
+    dense_features: int = 64,
+    padding: str = "SAME",
+    stage_sizes: Sequence[int] = (2, 2, 2, 2),
+    num_filters: int = 64,
+    small_inputs: bool = True,
+) -> Experiment:
+    """The classification experiment.
 
-
-def make_train_step(model: CNN, tx: optax.GradientTransformation) -> Callable:
-    """Returns ``train_step(state, batch) -> (state, metrics)``.
-
-    Padded examples (``batch["mask"] == 0``, if there is a mask) count nowhere:
-    the loss is the mean over the real examples of the global batch.
+    Args:
+      settings: from the trainer.
+      arch: ``"cnn"`` (the tf.distribute tutorial's) or ``"resnet"`` (flax's
+        ImageNet example's, with cross-replica BatchNorm).
+      num_classes: size of the output layer.
+      conv_features, dense_features, padding: the CNN's.
+      stage_sizes, num_filters, small_inputs: the ResNet's.
     """
+    repl = settings.repl
+    if arch == "cnn":
+        module = CNN(num_classes, tuple(conv_features), dense_features, padding)
+    elif arch == "resnet":
+        module = ResNet(
+            tuple(stage_sizes), num_classes, num_filters, repl.axis_name, small_inputs
+        )
+    else:
+        raise ValueError(f"config.model.arch={arch!r}: choose 'cnn' or 'resnet'.")
+    model = repl.apply_policy(module)
+    with_state = arch == "resnet"
+    tx = settings.make_optimizer()
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
-        mask = batch.get("mask", jnp.ones(batch["label"].shape, jnp.float32))
-        total = rp.global_sum(mask)  # the real examples of the whole global batch
+    def apply(params, model_state, images, train):
+        variables = {"params": params, **(model_state or {})}
+        if not with_state:
+            return model.apply(variables, images), model_state
+        if not train:
+            return model.apply(variables, images, train=False), model_state
+        return model.apply(variables, images, train=True, mutable=["batch_stats"])
 
-        def loss_fn(params, batch):
-            logits = model.apply({"params": params}, batch["image"])
+    def init_state(rng: jax.Array, example: Mapping[str, Any]) -> rp.TrainState:
+        init_rng, state_rng = jax.random.split(rng)
+        kwargs = {"train": False} if with_state else {}
+        variables = model.init(init_rng, jnp.asarray(example["image"])[None], **kwargs)
+        params = variables.pop("params")
+        return rp.TrainState.create(
+            params,
+            tx,
+            state_rng,
+            model_state=dict(variables) or None,
+            policy=repl.precision,
+            grad_accum_steps=settings.grad_accum_steps,
+        )
+
+    def train_step(state: rp.TrainState, batch):
+        def loss_fn(params, *rest):
+            model_state, batch = rest if with_state else (None, rest[0])
+            logits, new_state = apply(params, model_state, batch["image"], train=True)
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-            weight = batch.get("mask", jnp.ones_like(losses))
-            loss = rp.compute_average_loss(losses, global_batch_size=total, sample_weight=weight)
-            correct = (jnp.argmax(logits, -1) == batch["label"]) * weight
-            return loss, {"correct": jnp.sum(correct), "count": jnp.sum(weight)}
+            correct = jnp.argmax(logits, -1) == batch["label"]
+            count = jnp.float32(losses.size)
+            sums = {"loss": jnp.sum(losses), "correct": jnp.sum(correct), "count": count}
+            loss = rp.compute_average_loss(losses)
+            return (loss, (new_state, sums)) if with_state else (loss, sums)
 
-        (loss, sums), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
-        metrics = {"loss": loss, **sums}
-        return state.apply_gradients(grads, tx), metrics
+        (_, aux), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
+        new_state, sums = aux if with_state else (None, aux)
+        return state.apply_gradients(grads, tx, model_state=new_state), sums
 
-    return train_step
-
-
-def make_eval_step(model: CNN) -> Callable:
-    """Returns ``eval_step(params, batch) -> sums`` of loss, correct and real examples.
-
-    Padded examples (``batch["mask"] == 0``) count nowhere.
-    """
-
-    def eval_step(params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        logits = model.apply({"params": params}, batch["image"])
+    def eval_step(view, batch):
+        logits, _ = apply(view["params"], view["model_state"], batch["image"], train=False)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
         mask = batch["mask"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
@@ -84,4 +127,22 @@ def make_eval_step(model: CNN) -> Callable:
             "count": jnp.sum(mask),
         }
 
-    return eval_step
+    return Experiment(
+        preprocess=preprocess,
+        init_state=init_state,
+        train_step=train_step,
+        eval_step=eval_step,
+        summarize=summarize,
+        metric_names=("accuracy", "loss"),
+    )
+
+
+def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
+    """Summed ``loss``, ``correct`` and ``count`` -> mean loss and accuracy.
+
+    >>> summarize({"loss": 3.0, "correct": 2.0, "count": 4.0})
+    {'loss': 0.75, 'accuracy': 0.5}
+    """
+    count = float(sums["count"])
+    mean: Callable[[str], float] = lambda key: float(sums[key]) / count if count else math.nan
+    return {"loss": mean("loss"), "accuracy": mean("correct")}

@@ -17,7 +17,7 @@ Build it with::
     import tensorflow_datasets as tfds
     tfds.builder("digits", data_dir=DIR).download_and_prepare(file_format="array_record")
 
-or let ``replicator.data.load_data_source("digits", "train", data_dir=DIR)``
+or let ``replicator.trainer.data.load_data_source("digits", "train", data_dir=DIR)``
 prepare it on first use.
 """
 
@@ -48,7 +48,7 @@ class Digits(LocalBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # Read by replicator.data: such builders are prepared on first use.
+    # Read by replicator.trainer.data: such builders are prepared on first use.
     BUILDS_OFFLINE = True
 
     def _info(self) -> tfds.core.DatasetInfo:

@@ -1,73 +1,22 @@
-"""The ResNet V1 of flax's ImageNet example, ported for replicator's tests.
+"""Flax's ImageNet example for replicator's port tests: the ResNet (the classify
+experiment's, `experiments.classify.resnet`), its L2 penalty and its loss.
 
-As in ``examples/imagenet/models.py`` (google/flax): a 7x7 stem, max pooling,
-stages of `ResNetBlock`s (the last BatchNorm of each residual branch starts at
-zero scale) and a linear head. The one change for the port is ``axis_name``:
-``None`` is the single-device original (or pmap's per-device statistics);
-``repl.axis_name`` gives cross-replica BatchNorm under ``repl.run`` and the
-global batch's statistics under ``repl.compile``.
+The one change the port makes to the model is ``axis_name``: ``None`` is the
+single-device original (or pmap's per-device statistics); ``repl.axis_name``
+gives cross-replica BatchNorm under ``repl.run`` and the global batch's
+statistics under ``repl.compile``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import linen as nn
 
-
-class ResNetBlock(nn.Module):
-    """Two 3x3 convolutions with a residual connection (projected when shapes differ)."""
-
-    filters: int
-    conv: Callable[..., nn.Module]
-    norm: Callable[..., nn.Module]
-    strides: tuple[int, int] = (1, 1)
-
-    @nn.compact
-    def __call__(self, x):
-        residual = x
-        y = self.conv(self.filters, (3, 3), self.strides)(x)
-        y = nn.relu(self.norm()(y))
-        y = self.conv(self.filters, (3, 3))(y)
-        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-        if residual.shape != y.shape:
-            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
-            residual = self.norm(name="norm_proj")(residual)
-        return nn.relu(residual + y)
-
-
-class ResNet(nn.Module):
-    """ResNet V1: ``stage_sizes`` blocks per stage, filters doubling per stage."""
-
-    stage_sizes: Sequence[int]
-    num_classes: int
-    num_filters: int = 8
-    axis_name: Any = None
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        conv = functools.partial(nn.Conv, use_bias=False)
-        norm = functools.partial(
-            nn.BatchNorm,
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            axis_name=self.axis_name,
-        )
-        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
-        x = nn.relu(norm(name="bn_init")(x))
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-        for i, block_size in enumerate(self.stage_sizes):
-            for j in range(block_size):
-                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = ResNetBlock(self.num_filters * 2**i, conv, norm, strides)(x)
-        x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes)(x)
+from experiments.classify.resnet import ResNet as ResNet
+from experiments.classify.resnet import ResNetBlock as ResNetBlock
 
 
 def weight_penalty(params: Any, weight_decay: float = 1e-4) -> jax.Array:

@@ -1,9 +1,9 @@
 """Command line: ``python -m replicator train|eval --config FILE --workdir DIR``, and
-``python -m replicator launch {local,tpu,slurm} ... -- train ...`` (see `replicator.launch`).
+``python -m replicator launch {local,tpu,slurm} ... -- COMMAND`` (`replicator.runtime.launch`).
 
 Configs are ml_collections files; any key can be overridden with
-``--config.key=value`` (type-checked). ``train`` ends by printing the final test
-accuracy; ``eval`` prints one JSON line.
+``--config.key=value`` (type-checked). ``train`` ends by printing the final eval
+metrics; ``eval`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ _CPU_DEVICES = flags.DEFINE_integer(
 
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[1] == "plot":
-        from replicator.metrics import plot_metrics
+        from replicator.trainer.plot import plot_metrics
 
         workdir = argv[2] if len(argv) == 3 else _WORKDIR.value
         if workdir is None:
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
     if _COMPILE_CACHE.value:
         jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    from replicator.mesh import detect_process_group, initialize_distributed
+    from replicator.runtime.processes import detect_process_group, initialize_distributed
 
     initialize_distributed(detect_process_group(), timeout_s=_INIT_TIMEOUT.value)
     # Our own progress lines at INFO; the libraries' (Orbax's per-save chatter) only if WARNING+.
@@ -91,13 +91,13 @@ def main(argv: list[str]) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if jax.process_index() == 0 else logging.WARNING)
     logger.propagate = False
-    from replicator import train
-    from replicator.checkpoint import Preempted
+    from replicator import trainer
+    from replicator.trainer.preemption import Preempted
 
     chief = jax.process_index() == 0  # only process 0 prints results
     if argv[1] == "train":
         try:
-            result = train.train_and_evaluate(
+            result = trainer.train_and_evaluate(
                 _CONFIG.value, _WORKDIR.value, quiet=_QUIET.value, strict=_STRICT.value
             )
         except Preempted as e:
@@ -105,16 +105,20 @@ def main(argv: list[str]) -> None:
                 print(e)
             return
         if chief:
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float))
+            split = _CONFIG.value.get("eval_split", "test")
             print(
-                f"Final test accuracy after {result['step']} steps: {result['accuracy']:.2%} "
-                f"({result['num_examples']} examples, loss {result['loss']:.4f})"
+                f"Final {split} metrics after {result['step']} steps: {shown} "
+                f"({result['num_examples']} examples)"
             )
     elif _FOLLOW.value:
-        for result in train.follow(_CONFIG.value, _WORKDIR.value, timeout_s=_FOLLOW_TIMEOUT.value):
+        for result in trainer.follow(
+            _CONFIG.value, _WORKDIR.value, timeout_s=_FOLLOW_TIMEOUT.value
+        ):
             if chief:
                 print(json.dumps(result))
     else:
-        result = train.evaluate(
+        result = trainer.evaluate(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, strict=_STRICT.value
         )
         if chief:
@@ -145,7 +149,7 @@ def main_or_exit(argv: list[str]) -> None:
 
 def run() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "launch":
-        from replicator import launch
+        from replicator.runtime import launch
 
         sys.exit(launch.main(sys.argv[2:]))
     app.run(main_or_exit)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from replicator.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from replicator.runtime.processes import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 # First words that mean ``python -m replicator <word>`` (the CLI's subcommands).
 REPLICATOR_COMMANDS = ("train", "eval", "plot")

@@ -10,10 +10,42 @@ roll call travels over this socket; all training traffic goes through JAX.
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import socket
 import time
 
-from replicator.mesh import ProcessGroup, is_loopback, split_address
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in a multi-process run.
+
+    Attributes:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: how many processes take part.
+      process_id: this process, in ``[0, num_processes)``.
+      source: what it was detected from (``"explicit"``, ``"environment"``, or
+        JAX's cluster detectors: ``"SlurmCluster"``, ``"GceTpuCluster"``, ...).
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    source: str
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 hosts in brackets) as ``(host, port)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (then servers bind to it alone)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rendezvous_address(group: ProcessGroup) -> tuple[str, int]:

@@ -1,0 +1,13 @@
+"""Language modelling: a GPT-2-shaped decoder on byte-level text, built offline.
+
+``make_experiment`` is what the trainer calls (``config.experiment =
+"experiments.lm"``). Importing this package registers the ``python_stdlib`` and
+``text_files`` tfds builders (`experiments.datasets.text`).
+"""
+
+import experiments.datasets.text  # noqa: F401  (registers the text builders with tfds)
+from experiments.lm.model import Transformer as Transformer
+from experiments.lm.model import count_params as count_params
+from experiments.lm.task import make_experiment as make_experiment
+from experiments.lm.task import make_preprocess as make_preprocess
+from experiments.lm.task import summarize as summarize

@@ -1,0 +1,318 @@
+"""A decoder-only transformer of the GPT-2 / nanoGPT shape, annotated for sharding.
+
+Token embedding plus learned (or rotary) positions, pre-LayerNorm blocks of
+causal self-attention and a GELU MLP, a final LayerNorm, and output logits
+through the tied token embedding (or a separate head). Attention goes through
+`jax.nn.dot_product_attention`, so GPUs use cuDNN's fused kernel.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`):
+``vocab`` and ``embed`` for embeddings, ``heads`` and ``kv`` (the head width)
+for attention, ``mlp`` for the MLP's hidden width; ``None`` for axes that are
+never split (the position table's length, the q/k/v index). A mesh's rules map
+them to mesh axes, e.g. ``("embed", "fsdp"), ("heads", "tensor"), ("mlp",
+"tensor")`` for FSDP plus Megatron-style tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+def _normal(stddev: float, names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
+
+
+def _zeros(names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _ones(names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=1e-5,
+        dtype=dtype,
+        scale_init=_ones((EMBED,)),
+        bias_init=_zeros((EMBED,)),
+        name=name,
+    )
+
+
+def apply_rotary(x_BxTxHxD: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotary position embedding (RoFormer; GPT-NeoX's half-split layout) of queries or keys.
+
+    Pairs feature ``i`` with ``i + D/2`` and rotates each pair by ``t * base**(-2i/D)``
+    at position ``t``, so that query-key products depend on relative position only.
+
+    >>> x = jnp.ones((1, 3, 1, 4))
+    >>> bool(jnp.allclose(apply_rotary(x)[:, 0], x[:, 0]))  # position 0: unchanged
+    True
+    """
+    half = x_BxTxHxD.shape[-1] // 2
+    frequencies_D2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_TxD2 = jnp.arange(x_BxTxHxD.shape[1], dtype=jnp.float32)[:, None] * frequencies_D2
+    cos = jnp.cos(angles_TxD2)[None, :, None, :]
+    sin = jnp.sin(angles_TxD2)[None, :, None, :]
+    x1, x2 = x_BxTxHxD[..., :half].astype(jnp.float32), x_BxTxHxD[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxTxHxD.dtype)
+
+
+def attention_implementation(requested: str, dtype: jnp.dtype, head_dim: int) -> str | None:
+    """The ``implementation`` for `jax.nn.dot_product_attention`.
+
+    ``"auto"`` picks cuDNN's fused kernel where it applies (a GPU backend, 16-bit
+    inputs, a head width that is a multiple of 8 up to 128) and XLA elsewhere:
+    JAX 0.10's own default (``None``) is always XLA.
+
+    >>> attention_implementation("auto", jnp.float32, 64)  # XLA on CPU, or in fp32
+    'xla'
+    """
+    if requested != "auto":
+        return requested
+    fused = (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+    return "cudnn" if fused else "xla"
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention: fused q/k/v projection, attention, output projection."""
+
+    num_heads: int
+    head_dim: int
+    out_stddev: float
+    rotary: bool
+    use_bias: bool
+    attention: str
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        embed_dim = x_BxTxE.shape[-1]
+        shape = (embed_dim, 3, self.num_heads, self.head_dim)
+        qkv_kernel = self.param("qkv_kernel", _normal(0.02, (EMBED, None, HEADS, KV)), shape)
+        x_BxTxE, qkv_kernel = nn.dtypes.promote_dtype(x_BxTxE, qkv_kernel, dtype=self.dtype)
+        qkv_BxTx3xHxD = jnp.einsum("bte,ekhd->btkhd", x_BxTxE, qkv_kernel)
+        if self.use_bias:
+            bias = self.param("qkv_bias", _zeros((None, HEADS, KV)), shape[1:])
+            qkv_BxTx3xHxD = qkv_BxTx3xHxD + jnp.asarray(bias, qkv_BxTx3xHxD.dtype)
+        q, k, v = (qkv_BxTx3xHxD[:, :, i] for i in range(3))
+        if self.rotary:
+            q, k = apply_rotary(q), apply_rotary(k)
+        implementation = attention_implementation(self.attention, q.dtype, self.head_dim)
+        out_BxTxHxD = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=implementation
+        )
+        out_shape = (self.num_heads, self.head_dim, embed_dim)
+        out_kernel = self.param(
+            "out_kernel", _normal(self.out_stddev, (HEADS, KV, EMBED)), out_shape
+        )
+        y_BxTxE = jnp.einsum(
+            "bthd,hde->bte", out_BxTxHxD, jnp.asarray(out_kernel, out_BxTxHxD.dtype)
+        )
+        if self.use_bias:
+            bias = self.param("out_bias", _zeros((EMBED,)), (embed_dim,))
+            y_BxTxE = y_BxTxE + jnp.asarray(bias, y_BxTxE.dtype)
+        return y_BxTxE
+
+
+class FeedForward(nn.Module):
+    """Dense to ``mlp_dim``, GELU, dense back to the embedding width."""
+
+    mlp_dim: int
+    out_stddev: float
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        embed_dim = x_BxTxE.shape[-1]
+        hidden = nn.Dense(
+            self.mlp_dim,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            kernel_init=_normal(0.02, (EMBED, MLP)),
+            bias_init=_zeros((MLP,)),
+            name="fc",
+        )(x_BxTxE)
+        return nn.Dense(
+            embed_dim,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            kernel_init=_normal(self.out_stddev, (MLP, EMBED)),
+            bias_init=_zeros((EMBED,)),
+            name="proj",
+        )(nn.gelu(hidden))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    num_heads: int
+    head_dim: int
+    mlp_dim: int
+    out_stddev: float
+    rotary: bool
+    use_bias: bool
+    attention: str
+    dropout_rate: float
+    deterministic: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        dropout = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)
+        h = _layer_norm(self.dtype, "ln_attention")(x_BxTxE)
+        h = SelfAttention(
+            self.num_heads,
+            self.head_dim,
+            self.out_stddev,
+            self.rotary,
+            self.use_bias,
+            self.attention,
+            self.dtype,
+            name="attention",
+        )(h)
+        x_BxTxE = x_BxTxE + dropout(h)
+        h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
+        h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
+        return x_BxTxE + dropout(h)
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model: ``tokens [batch, time] -> logits [batch, time, vocab]``.
+
+    Attributes:
+      vocab_size: tokens are ``0 .. vocab_size - 1`` (256 for bytes; pad a
+        tokenizer's vocabulary to a multiple of 128 for fast matmuls).
+      num_layers: transformer blocks.
+      num_heads: attention heads; ``embed_dim`` must divide by it.
+      embed_dim: the residual stream's width.
+      mlp_dim: the MLP's hidden width; None means ``4 * embed_dim``.
+      max_len: the longest sequence (the context); a longer input is an error.
+      positions: ``"learned"`` (a GPT-2 position table) or ``"rotary"``.
+      tie_embeddings: compute logits with the token embedding (GPT-2) instead
+        of a separate output matrix.
+      use_bias: biases in the attention and MLP projections (GPT-2 has them).
+      dropout_rate: dropout on the embeddings and each residual branch while
+        training (``train=True`` with a ``"dropout"`` rng).
+      attention: `jax.nn.dot_product_attention`'s implementation, ``"auto"``
+        (cuDNN on GPUs for 16-bit inputs, else XLA), ``"xla"`` or ``"cudnn"``.
+      remat: recompute each block's activations in the backward pass (less
+        memory, about a third more compute).
+      dtype: compute dtype; None (the default) computes in the dtype of the
+        parameters, which is how replicator's precision policy sets it.
+
+    Parameters are initialised GPT-2 style: normal with std 0.02, and the
+    projections back into the residual stream scaled by ``1/sqrt(2 num_layers)``.
+
+    >>> model = Transformer(vocab_size=16, num_layers=1, num_heads=2, embed_dim=8, max_len=4)
+    >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    >>> model.apply(variables, jnp.zeros((2, 3), jnp.int32)).shape
+    (2, 3, 16)
+    """
+
+    vocab_size: int = 256
+    num_layers: int = 12
+    num_heads: int = 12
+    embed_dim: int = 768
+    mlp_dim: int | None = None
+    max_len: int = 1024
+    positions: str = "learned"
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    attention: str = "auto"
+    remat: bool = False
+    dtype: Any = None
+
+    def __post_init__(self):
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim={self.embed_dim} does not divide into num_heads={self.num_heads}."
+            )
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(f"positions={self.positions!r}: use 'learned' or 'rotary'.")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
+            )
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens_BxT: jax.Array, *, train: bool = False) -> jax.Array:
+        length = tokens_BxT.shape[1]
+        check_length(length, self.max_len)
+        embed = nn.Embed(
+            self.vocab_size,
+            self.embed_dim,
+            dtype=self.dtype,
+            embedding_init=_normal(0.02, (VOCAB, EMBED)),
+            name="token_embedding",
+        )
+        x_BxTxE = embed(tokens_BxT)
+        if self.positions == "learned":
+            table = self.param(
+                "position_embedding",
+                _normal(0.02, (None, EMBED)),
+                (self.max_len, self.embed_dim),
+            )
+            x_BxTxE = x_BxTxE + jnp.asarray(table[:length], x_BxTxE.dtype)
+        x_BxTxE = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxTxE)
+
+        block = nn.remat(Block) if self.remat else Block
+        for i in range(self.num_layers):
+            x_BxTxE = block(
+                num_heads=self.num_heads,
+                head_dim=self.embed_dim // self.num_heads,
+                mlp_dim=self.mlp_dim or 4 * self.embed_dim,
+                out_stddev=0.02 / math.sqrt(2 * self.num_layers),
+                rotary=self.positions == "rotary",
+                use_bias=self.use_bias,
+                attention=self.attention,
+                dropout_rate=self.dropout_rate,
+                deterministic=not train,
+                dtype=self.dtype,
+                name=f"block_{i}",
+            )(x_BxTxE)
+        x_BxTxE = _layer_norm(self.dtype, "ln_final")(x_BxTxE)
+        if self.tie_embeddings:
+            return embed.attend(x_BxTxE)
+        return nn.Dense(
+            self.vocab_size,
+            use_bias=False,
+            dtype=self.dtype,
+            kernel_init=_normal(0.02, (EMBED, VOCAB)),
+            name="head",
+        )(x_BxTxE)
+
+
+def check_length(length: int, max_len: int) -> None:
+    """Raises a one-line error for a sequence longer than the model's context.
+
+    >>> check_length(2048, 1024)
+    Traceback (most recent call last):
+    ...
+    ValueError: Sequence length 2048 is above the model's max_len 1024.
+    """
+    if length > max_len:
+        raise ValueError(f"Sequence length {length} is above the model's max_len {max_len}.")
+
+
+def count_params(params: Any) -> int:
+    """How many numbers ``params`` holds (logical-axis boxes unwrapped)."""
+    return sum(x.size for x in jax.tree.leaves(nn.meta.unbox(params)))

@@ -1,0 +1,168 @@
+"""Language modelling: next-token prediction with per-token cross-entropy.
+
+Examples are windows of ``block_size + 1`` tokens (``experiments.datasets.text``);
+`preprocess` shifts them into ``inputs`` and ``targets``. The loss is the mean
+over the real tokens of the global batch, in nats; steps return sums (nats,
+tokens), so `summarize` weighs every token exactly once on any number of
+devices, batches and processes, and padded eval examples (``mask == 0``) add
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import replicator as rp
+from experiments.lm.model import Transformer, check_length
+from replicator.trainer.experiment import Experiment, Settings
+
+METRIC_NAMES = ("loss", "perplexity")
+# Keys of the config's ``model`` dict that shape the run rather than the network.
+_TASK_KEYS = ("warmup_steps",)
+
+
+def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
+    """Returns ``preprocess(batch)``: ``tokens [B, L + 1]`` -> ``inputs``, ``targets`` ``[B, L]``.
+
+    Raises (when called) the model's one-line error if ``L > max_len``.
+
+    >>> preprocess = make_preprocess(max_len=3)
+    >>> out = preprocess({"tokens": np.array([[1, 2, 3, 4]])})
+    >>> out["inputs"].tolist(), out["targets"].tolist()
+    ([[1, 2, 3]], [[2, 3, 4]])
+    """
+
+    def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        tokens = np.asarray(batch["tokens"], np.int32)
+        check_length(tokens.shape[-1] - 1, max_len)
+        return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+
+    return preprocess
+
+
+def token_weights(batch: Mapping[str, jax.Array]) -> jax.Array:
+    """1.0 for every token of a real example, 0.0 for padding (``batch["mask"]``, if any)."""
+    ones = jnp.ones_like(batch["targets"], jnp.float32)
+    if "mask" not in batch:
+        return ones
+    return ones * batch["mask"].astype(jnp.float32)[:, None]
+
+
+def token_nats(model: Any, params: Any, batch: Mapping[str, jax.Array], **kwargs) -> jax.Array:
+    """Per-token cross-entropy ``[B, L]`` of ``model``'s next-token predictions, in nats."""
+    logits_BxLxV = model.apply({"params": params}, batch["inputs"], **kwargs)
+    logits_BxLxV = logits_BxLxV.astype(jnp.promote_types(logits_BxLxV.dtype, jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+
+
+def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
+    """Nats and tokens summed over a run's batches -> ``loss`` (nats/token), ``perplexity``.
+
+    >>> metrics = summarize({"loss": np.float32(6.0), "tokens": np.float32(4.0)})
+    >>> metrics["loss"], round(metrics["perplexity"], 4)
+    (1.5, 4.4817)
+    """
+    tokens = float(sums["tokens"])
+    loss = float(sums["loss"]) / tokens if tokens else math.nan
+    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+
+
+def make_schedule(
+    learning_rate: float, warmup_steps: int, num_train_steps: int
+) -> float | optax.Schedule:
+    """The peak rate, or with ``warmup_steps`` a linear warmup then cosine decay to 10% of it."""
+    if warmup_steps <= 0:
+        return learning_rate
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=warmup_steps,
+        decay_steps=max(num_train_steps, warmup_steps + 1),
+        end_value=0.1 * learning_rate,
+    )
+
+
+def make_model(model_kwargs: Mapping[str, Any]) -> Transformer:
+    """The `Transformer` from the config's ``model`` dict (without the task's own keys)."""
+    kwargs = {k: v for k, v in model_kwargs.items() if k not in _TASK_KEYS}
+    try:
+        return Transformer(**kwargs)
+    except TypeError as e:
+        known = sorted(
+            f.name
+            for f in Transformer.__dataclass_fields__.values()
+            if f.name not in ("parent", "name")
+        )
+        raise ValueError(
+            f"config.model has a key the LM does not take ({e}); known: {[*known, *_TASK_KEYS]}."
+        ) from None
+
+
+def make_experiment(settings: Settings) -> Experiment:
+    """The language-modelling `Experiment` for the trainer.
+
+    ``settings.model`` holds `Transformer`'s keyword arguments, plus
+    ``warmup_steps`` (0: a constant learning rate; else a linear warmup and a
+    cosine decay to 10% at ``num_train_steps``).
+
+    Train records and eval records report ``loss`` (nats per real token) and
+    ``perplexity = exp(loss)``; throughput counts ``max_len`` tokens per example.
+    """
+    network = make_model(settings.model)
+    model = settings.repl.apply_policy(network)
+    learning_rate = make_schedule(
+        settings.learning_rate,
+        int(settings.model.get("warmup_steps", 0)),
+        settings.num_train_steps,
+    )
+    tx = settings.make_optimizer(learning_rate)
+
+    def init_state(rng: jax.Array, example: Mapping[str, Any]) -> rp.TrainState:
+        init_rng, state_rng = jax.random.split(rng)
+        inputs = jnp.asarray(example["inputs"])[None]
+        params = model.init(init_rng, inputs)["params"]
+        return rp.TrainState.create(
+            params,
+            tx,
+            state_rng,
+            policy=settings.repl.precision,
+            grad_accum_steps=settings.grad_accum_steps,
+        )
+
+    def train_step(state: rp.TrainState, batch: Mapping[str, jax.Array]):
+        total_tokens = rp.global_sum(token_weights(batch))  # over every replica and microbatch
+        dropout_rng = rp.replica_key(jax.random.fold_in(state.rng, state.step))
+
+        def loss_fn(params, batch):
+            weights = token_weights(batch)
+            nats = token_nats(model, params, batch, train=True, rngs={"dropout": dropout_rng})
+            loss = rp.compute_average_loss(
+                nats, global_batch_size=total_tokens, sample_weight=weights
+            )
+            return loss, {"loss": jnp.sum(nats * weights), "tokens": jnp.sum(weights)}
+
+        (_, sums), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
+        return state.apply_gradients(grads, tx), sums
+
+    def eval_step(eval_state: Mapping[str, Any], batch: Mapping[str, jax.Array]):
+        weights = token_weights(batch)
+        nats = token_nats(model, eval_state["params"], batch)
+        # where, not a product: padding never contributes, even as 0 * inf.
+        return {"loss": jnp.sum(jnp.where(weights > 0, nats, 0.0)), "tokens": jnp.sum(weights)}
+
+    return Experiment(
+        preprocess=make_preprocess(network.max_len),
+        init_state=init_state,
+        train_step=train_step,
+        eval_step=eval_step,
+        summarize=summarize,
+        metric_names=METRIC_NAMES,
+        units=("tokens", network.max_len),
+    )

@@ -1,0 +1,75 @@
+"""The one place replicator reaches into JAX's private modules.
+
+Each function wraps a JAX internal that has no public equivalent (yet); a JAX
+upgrade that changes one breaks it here, and tests/test_compat.py fails loudly
+naming it, instead of a run failing somewhere deep inside. Checked on JAX
+0.10.2 (Python 3.11) and 0.11.2 (Python 3.12).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def detect_cluster(
+    num_processes: int | None, process_id: int | None
+) -> tuple[str, str, int, int] | None:
+    """JAX's own cluster detection (SLURM, Cloud TPU VMs, Kubernetes, Open MPI): what
+    ``jax.distributed.initialize()`` runs without arguments.
+
+    Returns:
+      ``(detector name, coordinator address, num_processes, process_id)``, or None
+      when no supported cluster environment is present.
+    """
+    from jax._src import clusters
+
+    env = next(
+        (
+            e
+            for e in clusters.ClusterEnv._cluster_types
+            if not e.opt_in_only_method and e.is_env_present()
+        ),
+        None,
+    )
+    if env is None:
+        return None
+    address, count, index, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, num_processes, process_id, None, None, None
+    )
+    return env.__name__, address, count, index
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX's backends have started (after which a process cannot join others)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def coordination_client() -> Any:
+    """JAX's coordination-service client (its key-value store), or None for one process."""
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+def coordinator_address() -> str | None:
+    """The coordinator address ``jax.distributed`` was initialised with, if any."""
+    from jax._src.distributed import global_state
+
+    return global_state.coordinator_address
+
+
+def lowering_rule(primitive: Any, platform: str) -> Any:
+    """The MLIR lowering rule JAX uses for ``primitive`` on ``platform``."""
+    from jax._src.interpreters import mlir as mlir_internal
+
+    entry = mlir_internal._platform_specific_lowerings[platform].get(primitive)
+    return (entry or mlir_internal._lowerings[primitive]).rule
+
+
+def max_pool_primitives() -> tuple[Any, Any]:
+    """``(reduce_window_max_p, select_and_scatter_add_p)``: max pooling and its gradient."""
+    from jax._src.lax import windowed_reductions
+
+    return windowed_reductions.reduce_window_max_p, windowed_reductions.select_and_scatter_add_p

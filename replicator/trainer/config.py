@@ -1,0 +1,233 @@
+"""The training config: one table of keys with their defaults, validated before anything runs.
+
+Configs are plain Python files whose ``get_config()`` starts from `base_config`
+(every key below with its default, so every key can be overridden from the
+command line on every config) and sets what its experiment needs; absl's
+``--config.key=value`` overrides are type-checked by ml_collections. `validate`
+checks the rest: every required key is set, no key is unknown (a typo must not
+silently fall back to a default), every value has the right type and range.
+Only the trainer reads configs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+from typing import Any
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+_REQUIRED = object()
+
+# key -> (allowed types, default or _REQUIRED, meaning). None in the types allows None.
+SCHEMA: dict[str, tuple[tuple, Any, str]] = {
+    # What to train.
+    "experiment": ((str,), _REQUIRED, "dotted module path of the experiment"),
+    "model": ((dict,), _REQUIRED, "keyword arguments of the experiment's make_experiment"),
+    "dataset": ((str,), _REQUIRED, "tfds dataset name (with /config)"),
+    "data_dir": (
+        (str, None),
+        None,
+        "tfds data_dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+    ),
+    "train_split": ((str,), "train", "split to train on"),
+    "eval_split": ((str,), "test", "split to evaluate on"),
+    # How long and how fast.
+    "batch_size": ((int,), _REQUIRED, "global batch, across all replicas and processes"),
+    "eval_batch_size": ((int, None), None, "global eval batch (None: batch_size)"),
+    "num_train_steps": ((int,), _REQUIRED, "training steps"),
+    "learning_rate": ((float,), _REQUIRED, "peak learning rate"),
+    "optimizer": ((str,), "adam", "an optax alias taking learning_rate"),
+    "seed": ((int,), 0, "seed of initialisation, data order and randomness"),
+    "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
+    # Where and how precisely.
+    "mesh": ((dict,), {"data": -1}, "mesh axis sizes, e.g. dict(data=-1) or dict(fsdp=8)"),
+    "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
+    "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
+    "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),
+    "step_path": ((str,), "run", "'run' (per replica) or 'compile' (global view)"),
+    # Periodic work.
+    "log_every_steps": ((int,), 10, "steps between train records"),
+    "eval_every_steps": ((int,), _REQUIRED, "steps between evaluations"),
+    "checkpoint_every_steps": ((int,), _REQUIRED, "steps between checkpoints"),
+    "profile_steps": ((str, None), None, "'START,END': a JAX profiler trace of those steps"),
+    "keep_checkpoints": ((int,), 3, "keep the latest N checkpoints"),
+    "keep_best_checkpoints": ((int,), 0, "also keep the best N by best_metric"),
+    "best_metric": ((str, None), None, "the eval metric that ranks checkpoints"),
+    "best_mode": ((str,), "max", "'max' or 'min' of best_metric"),
+}
+
+MINIMUM = {
+    "batch_size": 1,
+    "eval_batch_size": 1,
+    "num_train_steps": 1,
+    "grad_accum_steps": 1,
+    "log_every_steps": 1,
+    "eval_every_steps": 1,
+    "checkpoint_every_steps": 1,
+    "keep_checkpoints": 1,
+    "keep_best_checkpoints": 0,
+}
+
+CHOICES = {
+    "step_path": ("run", "compile"),
+    "precision": (None, "fp32", "bf16", "fp16"),
+    "best_mode": ("max", "min"),
+    "nonfinite": ("halt", "skip"),
+    "matmul_precision": (
+        None,
+        "default",
+        "high",
+        "highest",
+        "bfloat16",
+        "tensorfloat32",
+        "float32",
+    ),
+}
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every optional key with its default; a config file sets the required ones.
+
+    >>> c = base_config()
+    >>> c.optimizer, c.precision, c.keep_checkpoints
+    ('adam', None, 3)
+    """
+    c = ml_collections.ConfigDict()
+    for key, (types, default, _) in SCHEMA.items():
+        if default is _REQUIRED:
+            continue
+        if default is None:  # None, yet overridable with a value of the key's type
+            setattr(c, key, placeholder(next(t for t in types if t is not None)))
+        else:
+            setattr(c, key, default)
+    return c
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` for every key, for ``train --help``."""
+    rows = []
+    for key, (_, default, meaning) in SCHEMA.items():
+        shown = "(required)" if default is _REQUIRED else repr(default)
+        rows.append((key, shown, meaning))
+    return rows
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks ``config`` against `SCHEMA` and fills in the optional keys' defaults.
+
+    Args:
+      config: a training config.
+
+    Returns:
+      A copy with defaults filled in.
+
+    Raises:
+      ValueError: naming every unknown, missing or mistyped key (with the closest
+        known key for a likely typo) and every out-of-range value.
+    """
+    values = config.to_dict()
+    problems = []
+    for key in sorted(set(values) - set(SCHEMA)):
+        close = difflib.get_close_matches(key, SCHEMA, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(f"unknown key {key!r}{hint}")
+    for key, (types, default, _) in SCHEMA.items():
+        if key not in values:
+            if default is _REQUIRED:
+                problems.append(f"missing required key {key!r}")
+            else:
+                values[key] = default
+            continue
+        problem = _type_problem(key, values[key], types)
+        if problem:
+            problems.append(problem)
+    if not problems:
+        problems += _range_problems(values)
+    if problems:
+        raise ValueError("Invalid config:\n  - " + "\n  - ".join(problems))
+    return ml_collections.ConfigDict(values)
+
+
+def _type_problem(key: str, value: Any, types: tuple) -> str | None:
+    if value is None:
+        return None if None in types else f"{key!r} is None; expected {_names(types)}"
+    real_types = tuple(t for t in types if t is not None)
+    if isinstance(value, bool) and bool not in real_types:
+        return f"{key!r}={value!r} is a bool; expected {_names(types)}"
+    if float in real_types and isinstance(value, int):
+        return None  # an int learning rate is fine
+    if not isinstance(value, real_types):
+        return f"{key!r}={value!r} has type {type(value).__name__}; expected {_names(types)}"
+    return None
+
+
+def _names(types: tuple) -> str:
+    return " or ".join("None" if t is None else t.__name__ for t in types)
+
+
+def _range_problems(values: dict[str, Any]) -> list[str]:
+    problems = []
+    for key, low in MINIMUM.items():
+        if values[key] is not None and values[key] < low:
+            problems.append(f"{key!r} must be >= {low}, got {values[key]}")
+    if values["learning_rate"] <= 0:
+        problems.append(f"'learning_rate' must be > 0, got {values['learning_rate']}")
+    for key, choices in CHOICES.items():
+        if values[key] not in choices:
+            problems.append(f"{key!r}={values[key]!r} is not one of {list(choices)}")
+    if values["profile_steps"] is not None:
+        try:
+            start, end = (int(x) for x in values["profile_steps"].split(","))
+            assert 1 <= start <= end
+        except (ValueError, AssertionError):
+            problems.append(
+                f"'profile_steps'={values['profile_steps']!r} must be 'START,END' with "
+                "1 <= START <= END"
+            )
+    if values["keep_best_checkpoints"] and values["best_metric"] is None:
+        problems.append("'keep_best_checkpoints' > 0 needs 'best_metric' (an eval metric)")
+    if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:
+        problems.append(f"'experiment'={values['experiment']!r} cannot be imported")
+    return problems
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+    """The resolved config as JSON, for the workdir and checkpoints."""
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def write_json(config: ml_collections.ConfigDict, path: str) -> None:
+    """Writes `to_json` to ``path`` on process 0, atomically."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_json(config))
+    os.replace(tmp, path)
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Lists the keys whose values differ between two config dicts.
+
+    >>> config_differences({"a": 1, "m": {"b": 2}}, {"a": 1, "m": {"b": 3}, "c": 0})
+    ['c: (absent) -> 0', 'm.b: 2 -> 3']
+    """
+    out = []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key, "(absent)"), current.get(key, "(absent)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += config_differences(old, new, f"{prefix}{key}.")
+        elif _normalize(old) != _normalize(new):
+            out.append(f"{prefix}{key}: {old} -> {new}")
+    return out
+
+
+def _normalize(value: Any) -> Any:
+    # JSON turns tuples into lists; compare them as equal.
+    return json.loads(json.dumps(value, default=str)) if value != "(absent)" else value

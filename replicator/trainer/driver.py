@@ -1,0 +1,209 @@
+"""The one training loop: ``train_and_evaluate(config, workdir)``.
+
+The loop reads the config (the only code that does, with `setup`) and hands
+explicit values to the library and the experiment. One batch flows: data source
+-> grain iterator (this process's rows) -> ``repl.distribute`` (global arrays)
+-> the experiment's train step (``repl.run`` or ``repl.compile``) -> sums,
+reduced across replicas -> `actions` (log, evaluate, save) -> writers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from replicator.checkpoint import Checkpoints
+from replicator.trainer import actions as act
+from replicator.trainer import config as config_lib
+from replicator.trainer.config import config_differences
+from replicator.trainer.evaluator import evaluate_split
+from replicator.trainer.instruments import ProgressBar, Stopwatch, summarize_run
+from replicator.trainer.preemption import PreemptionWatcher
+from replicator.trainer.setup import Run, setup
+from replicator.trainer.writers import MetricWriter
+
+log = logging.getLogger("replicator")
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    quiet: bool = False,
+    devices=None,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """Trains ``config``'s experiment, evaluating and checkpointing along the way.
+
+    Continues from the newest readable checkpoint in ``workdir`` if there is one,
+    with the same data order and RNG, so an interrupted run ends exactly like an
+    uninterrupted one. SIGTERM/SIGINT save a checkpoint at the next step boundary
+    and raise `Preempted`.
+
+    Args:
+      config: a training config (see `replicator.trainer.config`).
+      workdir: where ``metrics.jsonl``, TensorBoard events and checkpoints go.
+      quiet: no progress bar.
+      devices: the devices to train on (default: all).
+      strict: fail on an unreadable checkpoint instead of using the previous one.
+
+    Returns:
+      The final eval record: ``step``, ``num_examples`` and the experiment's metrics.
+    """
+    preemption = PreemptionWatcher()  # before anything slow, so no signal is missed
+    try:
+        return _train(config, workdir, preemption, quiet=quiet, devices=devices, strict=strict)
+    finally:
+        preemption.close()
+
+
+def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, Any]:
+    # ---- Setup: everything that can fail on bad input fails before the workdir is touched.
+    watch = Stopwatch()
+    run = setup(config, devices=devices)
+    config, repl = run.config, run.repl
+    train_iter = run.train_iterator()
+    os.makedirs(workdir, exist_ok=True)
+    checkpoints = Checkpoints(
+        os.path.join(workdir, "checkpoints"),
+        repl,
+        keep=config.keep_checkpoints,
+        keep_best=config.keep_best_checkpoints,
+        best_metric=config.best_metric,
+        best_mode=config.best_mode,
+    )
+    state, start = _restore_or_init(run, checkpoints, train_iter, strict)
+    config_lib.write_json(config, os.path.join(workdir, "config.json"))
+    batches = repl.distribute(train_iter)
+    writer = MetricWriter(workdir, resume_step=start)
+    progress = ProgressBar(config.num_train_steps, start, enabled=False if quiet else None)
+    actions = _actions(run, workdir, watch, writer, progress, checkpoints, batches, preemption,
+                       start)  # fmt: skip
+    log.info("%s on %s", config.experiment, repl)
+
+    # ---- Train: dispatch a step, then let each periodic action take its turn.
+    step, end, completed = start, None, False
+    watch.add("setup", watch.elapsed())
+    try:
+        while step < config.num_train_steps:
+            step += 1
+            with watch.time("input"):
+                position = batches.get_state()  # where this batch starts, for replay
+                batch = next(batches)
+            actions.profile.before(step)
+            with watch.time("compile" if step == start + 1 else "compute"):
+                state, sums, status = run.train_step(state, batch)
+            checkpoints.check_for_errors()  # a failed async save surfaces here, not later
+            end = act.StepEnd(step, step == config.num_train_steps, state, sums, status, batch,
+                              position)  # fmt: skip
+            for action in actions:
+                action(end)
+        with watch.time("compute"):
+            jax.block_until_ready(state)  # the last steps in flight belong to compute too
+        if end is None:  # already trained: just report
+            end = act.StepEnd(step, True, state, None, {}, None, None)
+            end.eval_result = actions.evaluate(state, step)
+        completed = True
+    finally:
+        for closing in (*reversed(actions), batches, run, progress):
+            closing.close()
+        with watch.time("checkpoint"):
+            checkpoints.close()  # waits for the last save
+        writer.write(step, summarize_run(run, watch, state, end, start, completed=completed),
+                     split="summary")  # fmt: skip
+        writer.close()
+    return end.eval_result
+
+
+class _Actions(list):
+    """The periodic actions in their order at a step boundary, and the two the loop
+    also calls directly (the profiler starts before a step; a finished run evaluates)."""
+
+    def __init__(self, actions, profile, evaluate):
+        super().__init__(actions)
+        self.profile, self.evaluate = profile, evaluate
+
+
+def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, preemption,
+             start: int) -> _Actions:  # fmt: skip
+    config = run.config
+
+    def evaluate(state, step: int) -> dict[str, Any]:
+        with watch.time("eval"):
+            return _evaluate_and_write(run, writer, run.experiment.eval_state(state), step, workdir)
+
+    def save(end: act.StepEnd) -> None:
+        with watch.time("checkpoint"):
+            ranked = {k: v for k, v in (end.eval_result or {}).items() if k == config.best_metric}
+            checkpoints.save(
+                end.step,
+                end.state,
+                data_state={"iterator": batches.get_state().decode()},
+                config=config.to_dict(),
+                metrics=ranked or None,
+            )
+
+    per_step, unit = run.per_step_units()
+    log_train = act.LogTrain(
+        writer, progress, run.experiment.summarize,
+        every_steps=config.log_every_steps, per_step=per_step, unit=unit, start=start,
+    )  # fmt: skip
+    guard = act.WatchNonfinite(
+        workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize
+    )
+    profile = act.Profile(os.path.join(workdir, "profile"), config.profile_steps)
+    stop = act.Stop(checkpoints, preemption, flush=lambda: (guard.close(), log_train.close()))
+    return _Actions(
+        [
+            log_train, guard, profile,
+            act.Evaluate(evaluate, config.eval_every_steps),
+            act.AgreeOnStop(preemption),
+            act.Save(save, config.checkpoint_every_steps),
+            stop,
+        ],
+        profile,
+        evaluate,
+    )  # fmt: skip
+
+
+def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: bool):
+    """The newest readable checkpoint's state and step (moving the iterator there), or
+    a fresh state at step 0."""
+    if checkpoints.latest_step() is None:
+        return run.init_state(), 0
+    state = checkpoints.restore(like=run.abstract_state, strict=strict)
+    step = checkpoints.restored_step
+    train_iter.set_state(checkpoints.saved_data_state(step)["iterator"].encode())
+    changes = config_differences(checkpoints.saved_config(step), run.config.to_dict())
+    if changes:
+        log.warning(
+            "The config differs from the one saved with the checkpoint:\n  %s",
+            "\n  ".join(changes),
+        )
+    log.info("Resumed from step %d in %s", step, checkpoints.directory)
+    return state, step
+
+
+def _evaluate_and_write(run: Run, writer, eval_state, step: int, workdir: str) -> dict[str, Any]:
+    result = {"step": step, **evaluate_split(run, eval_state)}
+    writer.write(step, result, split=run.config.eval_split)
+    shown = "  ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float))
+    log.info("step %d  %s %s  (%d examples)", step, run.config.eval_split, shown,
+             result["num_examples"])  # fmt: skip
+    if run.experiment.after_eval is not None and jax.process_index() == 0:
+        run.experiment.after_eval(eval_state, workdir, step)
+    return result
+
+
+def saved_config(workdir: str) -> dict | None:
+    """The config a run in ``workdir`` saved (``config.json``), or None."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,154 @@
+"""Evaluation: one exact pass over a split, from the trainer or from a checkpoint.
+
+Every example of the split counts exactly once on any device or process count:
+the last batches are padded and masked, the experiment's eval step returns sums
+over real examples, and the sums are added up on the devices and fetched once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from replicator.checkpoint import Checkpoints, CorruptCheckpointError
+from replicator.trainer import data
+from replicator.trainer.setup import Run, setup
+from replicator.trainer.writers import MetricWriter
+
+log = logging.getLogger("replicator")
+
+
+def evaluate_split(run: Run, eval_state: Any) -> dict[str, Any]:
+    """The experiment's metrics over the whole eval split, and ``num_examples``."""
+    batches = data.make_eval_iterator(
+        run.eval_source,
+        global_batch_size=run.eval_batch_size,
+        preprocess=run.experiment.preprocess,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    totals = None
+    for batch in run.repl.distribute(batches):
+        sums = run.eval_step(eval_state, batch)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    sums, count = jax.device_get(totals)
+    count = int(count)
+    if count != len(run.eval_source):
+        raise RuntimeError(
+            f"Evaluation counted {count} examples but the split has "
+            f"{len(run.eval_source)}; the input pipeline lost or duplicated examples."
+        )
+    return {**run.experiment.summarize(sums), "num_examples": count}
+
+
+class Evaluator:
+    """Restores what eval needs from a run's checkpoints and evaluates it exactly."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, devices=None):
+        self.run = setup(config, devices=devices)
+        self.config = self.run.config
+        self.checkpoints = Checkpoints(
+            os.path.join(workdir, "checkpoints"), self.run.repl, read_only=True
+        )
+        self._like = self.run.experiment.eval_state(self.run.abstract_state)
+
+    def evaluate(self, step: int | None = None, *, strict: bool = False) -> dict[str, Any]:
+        """Evaluates checkpoint ``step`` (default: the newest readable one)."""
+        self.checkpoints.reload()
+        eval_state = self.checkpoints.restore(like=self._like, step=step, strict=strict,
+                                              partial=True)  # fmt: skip
+        step = self.checkpoints.restored_step
+        return {"step": step, **evaluate_split(self.run, eval_state)}
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.run.close()
+
+
+def evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    step: int | None = None,
+    devices=None,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """Restores a checkpoint of ``workdir`` onto the current devices and evaluates it.
+
+    Args:
+      config: the training config (data, model and mesh keys matter).
+      workdir: the training run's directory.
+      step: which checkpoint; by default the newest readable one.
+      devices: the devices to evaluate on (default: all), whatever trained it.
+      strict: fail on an unreadable checkpoint instead of falling back.
+
+    Returns:
+      ``{"step", "num_examples", ...}`` with the experiment's metrics.
+    """
+    evaluator = Evaluator(config, workdir, devices=devices)
+    try:
+        return evaluator.evaluate(step, strict=strict)
+    finally:
+        evaluator.close()
+
+
+def follow(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    devices=None,
+    timeout_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """A sidecar evaluator: evaluates every new checkpoint in ``workdir`` as it appears.
+
+    Results go to ``metrics.jsonl`` (``"sidecar": true``) and are attached to the
+    checkpoint, where the training run's best-N retention finds them. Stops after
+    the checkpoint of the final step, or when no new checkpoint came for
+    ``timeout_s`` seconds.
+
+    Returns:
+      The eval records, oldest first.
+    """
+    evaluator = Evaluator(config, workdir, devices=devices)
+    writer = MetricWriter(workdir, resume_step=None)
+    results, last = [], None
+    try:
+        while last is None or last < evaluator.config.num_train_steps:
+            step = _wait_for_checkpoint(evaluator.checkpoints, after=last, timeout_s=timeout_s)
+            if step is None:
+                log.info("No new checkpoint in %s s; stopping.", timeout_s)
+                break
+            last = step
+            try:
+                result = evaluator.evaluate(step)
+            except (FileNotFoundError, CorruptCheckpointError) as e:
+                log.warning("sidecar: skipping step %d: %s", step, e)  # e.g. deleted by retention
+                continue
+            writer.write(step, {**result, "sidecar": True}, split=evaluator.config.eval_split)
+            evaluator.checkpoints.write_metrics(
+                step, {k: v for k, v in result.items() if isinstance(v, float)}
+            )
+            log.info("sidecar: step %d %s", step, result)
+            results.append(result)
+    finally:
+        writer.close()
+        evaluator.close()
+    return results
+
+
+def _wait_for_checkpoint(checkpoints: Checkpoints, *, after: int | None, timeout_s):
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        checkpoints.reload()
+        newer = [s for s in checkpoints.all_steps() if after is None or s > after]
+        if newer:
+            return newer[0]
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)

@@ -1,0 +1,107 @@
+"""The Experiment protocol: the one seam between the trainer and a task.
+
+A config names its experiment by dotted module path (``experiments.classify``);
+the module has ``make_experiment(settings) -> Experiment``. The trainer never
+imports ``experiments/`` itself and knows no metric by name: the experiment
+supplies its preprocessing, its initial state (one or several parameter sets
+and optimizers: a GAN has two), its train and eval steps, and how the steps'
+*sums* become the reported metrics.
+
+Sums are what make metrics exact on any number of devices, processes and
+batches: every leaf a step returns is a sum over examples (a total loss, a count
+of correct predictions, a count of real tokens), so the trainer can add them up
+across replicas (``repl.reduce(SUM)``), batches and processes, and only then
+divide, on the host, in `Experiment.summarize`. Padded eval examples carry
+``mask == 0`` and must add nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+from replicator.replicator import Replicator
+
+PyTree = Any
+Batch = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the trainer tells an experiment: explicit values, never the whole config.
+
+    Attributes:
+      repl: the Replicator (mesh, ``axis_name``, precision policy).
+      model: the config's ``model`` dict, the experiment's own keyword arguments.
+      learning_rate: the config's peak learning rate.
+      optimizer: the name of an optax alias taking ``learning_rate`` (``"adam"``).
+      num_train_steps: how many steps the run trains.
+      grad_accum_steps: microbatches per replica batch (`rp.TrainState`).
+      seed: the run's seed.
+    """
+
+    repl: Replicator
+    model: Mapping[str, Any]
+    learning_rate: float
+    optimizer: str
+    num_train_steps: int
+    grad_accum_steps: int
+    seed: int
+
+    def make_optimizer(self, learning_rate: float | None = None) -> optax.GradientTransformation:
+        """The configured optax optimizer, wrapped for the replicas (`repl.wrap_optimizer`).
+
+        Args:
+          learning_rate: overrides the config's (e.g. a GAN's second optimizer).
+        """
+        factory = getattr(optax, self.optimizer, None)
+        if not callable(factory):
+            raise ValueError(
+                f"config.optimizer={self.optimizer!r} is not an optax optimizer (e.g. 'adam')."
+            )
+        rate = self.learning_rate if learning_rate is None else learning_rate
+        return self.repl.wrap_optimizer(factory(rate))
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A task, as the trainer runs it.
+
+    Attributes:
+      preprocess: ``preprocess(batch) -> batch`` on the host, numpy in, numpy out,
+        on a batch of examples stacked along axis 0.
+      init_state: ``init_state(rng, example) -> state``: the initial train state
+        (any pytree; usually an `rp.TrainState`, or several), shaped by one
+        preprocessed example. Traced once, with its output placed mirrored.
+      train_step: ``train_step(state, batch) -> (state, sums)``, written per
+        replica; ``sums`` leaves are sums over this replica's examples.
+      eval_step: ``eval_step(eval_state, batch) -> sums`` over the examples whose
+        ``batch["mask"]`` is 1.
+      summarize: ``summarize(sums) -> {name: float}`` on the host, for the train
+        step's sums (train records) and the eval step's (eval records).
+      metric_names: the names ``summarize`` reports for eval sums; the config's
+        ``best_metric`` must be one of them.
+      eval_state: ``eval_state(state) -> dict`` of the top-level fields eval
+        needs (e.g. ``{"params": ..., "model_state": ...}``): ``eval`` restores
+        only those from a checkpoint.
+      units: what ``examples_per_sec`` counts per example, e.g. ``("tokens",
+        1024)`` for a language model (``tokens_per_sec`` then too).
+      after_eval: optional ``after_eval(eval_state, workdir, step)``, called on
+        process 0 after each eval (e.g. a GAN writes a grid of samples).
+    """
+
+    preprocess: Callable[[Batch], Batch]
+    init_state: Callable[[Any, Batch], PyTree]
+    train_step: Callable[[PyTree, Batch], tuple[PyTree, PyTree]]
+    eval_step: Callable[[PyTree, Batch], PyTree]
+    summarize: Callable[[Mapping[str, Any]], dict[str, float]]
+    metric_names: tuple[str, ...]
+    eval_state: Callable[[PyTree], dict] = lambda state: {
+        "params": state.params,
+        "model_state": state.model_state,
+    }
+    units: tuple[str, int] = ("examples", 1)
+    after_eval: Callable[[PyTree, str, int], None] | None = None
