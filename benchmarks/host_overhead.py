@@ -104,9 +104,10 @@ def build(labels: tuple[str, ...] = LABELS[1]) -> dict[str, trials.Candidate]:
 
         return train_step
 
-    # Same compiler settings for every candidate: replicator's CPU defaults off.
-    repls = {d: rp.Replicator(max_steps_in_flight=d, cpu_defaults=False) for d in (2, DEEP)}
-    repl = repls[2]
+    # Same compiler settings for every candidate: replicator's CPU defaults off. The
+    # main rows use replicator's default bound (2 on several CPU devices, none on one).
+    repls = {d: rp.Replicator(max_steps_in_flight=d, cpu_defaults=False) for d in (None, DEEP)}
+    repl = repls[None]
     batch = repl.shard_batch(host_batch)
     out = {}
     for label in labels:
@@ -125,8 +126,8 @@ def build(labels: tuple[str, ...] = LABELS[1]) -> dict[str, trials.Candidate]:
             if "TrainState" in label:
                 fn = make_train_state_step(r.wrap_optimizer(optax.sgd(0.1)))
             if label.startswith("run's program"):
-                program, _ = r._run_step(fn, (state[0], batch), (0,))
-                call = _flat_call(program, batch)
+                program, meta, _ = r._run_step(fn, (state[0], batch), (0,))
+                call = _flat_call(program, meta, batch)
             elif label.startswith("run"):
                 call = lambda s, fn=fn, r=r: r.run(fn, s, batch, donate_argnums=(0,))
             else:
@@ -150,13 +151,14 @@ def _in_mesh(call, mesh):
     return in_mesh
 
 
-def _flat_call(program, batch):
+def _flat_call(program, meta, batch):
     """What `Replicator.run` calls, without its lookup and bound: flatten, call, unflatten."""
     import jax
 
     def call(state):
         flat, _ = jax.tree.flatten((state, batch))
-        return program(*flat)
+        out = program(*flat)  # traced on the first call, which fills in meta
+        return jax.tree.unflatten(meta["tree"], out)
 
     return call
 

@@ -60,6 +60,13 @@ def configure(devices) -> dict[str, str] | None:
     return options
 
 
+def needs_bounded_dispatch(devices) -> bool:
+    """Whether steps over ``devices`` must not queue without bound: a mesh of several
+    CPU devices, where a long queue of sharded steps has deadlocked XLA:CPU's
+    collective rendezvous. GPUs and TPUs queue work on their own streams."""
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
 def _several_per_process(devices) -> bool:
     per_process = collections.Counter(d.process_index for d in devices)
     return max(per_process.values(), default=0) > 1

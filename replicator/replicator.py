@@ -16,6 +16,7 @@ import collections
 import contextlib
 import enum
 import functools
+import itertools
 import math
 import queue
 import re
@@ -43,6 +44,7 @@ from replicator.context import (
 from replicator.mesh import DATA_AXES, build_mesh
 from replicator.per_replica import Kind, PerReplica
 from replicator.precision import Policy, apply_policy, get_policy
+from replicator.runtime import compat
 
 PyTree = Any
 
@@ -65,9 +67,10 @@ class Replicator:
         `apply_policy` applies to a model and `TrainState.create` to a state
         (fp16 adds a dynamic loss scale); the trainer uses both.
       max_steps_in_flight: how many dispatched steps may be unfinished when
-        `run` or a compiled step returns. Dispatch stays asynchronous, but the
-        host never runs far ahead of the devices (on XLA:CPU an unbounded queue of
-        sharded steps has deadlocked the all-reduce rendezvous).
+        `run` or a compiled step returns. ``None``: 2 on a mesh of several CPU
+        devices (an unbounded queue of sharded steps has deadlocked XLA:CPU's
+        all-reduce rendezvous), no bound elsewhere (GPUs and TPUs queue work on
+        their streams; a bound would only make the host wait).
       cpu_defaults: on a CPU mesh, apply `replicator.cpu.configure`: a faster
         lowering of max pooling (process-wide, bitwise-identical results),
         convolutions on Eigen instead of YNNPACK, and with several devices per
@@ -101,10 +104,10 @@ class Replicator:
         mesh: Mapping[str, int] | None = None,
         precision: str | Policy | None = None,
         *,
-        max_steps_in_flight: int = 2,
+        max_steps_in_flight: int | None = None,
         cpu_defaults: bool = True,
     ):
-        if max_steps_in_flight < 1:
+        if max_steps_in_flight is not None and max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}.")
         self.mesh = build_mesh(devices, mesh)
         self.precision = get_policy(precision)
@@ -116,10 +119,13 @@ class Replicator:
         self.batch_sharding = NamedSharding(self.mesh, P(self.axis_name))
         self.mirrored_sharding = NamedSharding(self.mesh, P())
         self._feeders = _feeding_processes(self.batch_sharding, self.num_replicas)
-        self._in_flight = _StepsInFlight(max_steps_in_flight)
         devices = list(self.mesh.devices.flat)
+        if max_steps_in_flight is None:  # only XLA:CPU's collectives need a bound
+            max_steps_in_flight = 2 if cpu.needs_bounded_dispatch(devices) else 0
+        self._in_flight = _StepsInFlight(max_steps_in_flight)
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
+        self._splits: dict[Any, bool] = {}  # sharding -> splits over the replicas?
         self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
 
     def __repr__(self) -> str:
@@ -147,6 +153,7 @@ class Replicator:
 
         Returns:
           The same pytree of global `jax.Array`s, split over the replicas on axis 0.
+          A step may donate them: that consumes these arrays, never ``host_batch``.
         """
         leaves = jax.tree.leaves(host_batch)
         sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
@@ -226,10 +233,11 @@ class Replicator:
           prefetch: how many global batches to keep ready.
 
         Returns:
-          An iterator of global batches. If ``batches`` has ``get_state()`` (grain
-          iterators do), so does the result: the source's state right after the
-          last batch *returned*, not the ones prefetched, so that a checkpoint
-          resumes with exactly the next batch.
+          An iterator of global batches, each as `shard_batch` returns it (a step
+          may donate it). If ``batches`` has ``get_state()`` (grain iterators
+          do), so does the result: the source's state right after the last batch
+          *returned*, not the ones prefetched, so that a checkpoint resumes with
+          exactly the next batch.
         """
         return _Prefetcher(iter(batches), self.shard_batch, prefetch)
 
@@ -242,9 +250,11 @@ class Replicator:
             tuple, list or dict.
 
         Returns:
-          The pytree as global `jax.Array`s, replicated over the mesh. NNX objects
-          come back as new objects holding the placed arrays (references shared
-          between them stay shared); the caller's are left as they were.
+          The pytree as global `jax.Array`s, replicated over the mesh, in buffers of
+          their own: a step that donates them (``donate_argnums``) consumes these
+          arrays, never the caller's. NNX objects come back as new objects holding
+          the placed arrays (references shared between them stay shared); the
+          caller's are left as they were.
         """
         if graphs.has_graph_nodes((tree,)):
             call = graphs.split_call((tree,))
@@ -254,8 +264,10 @@ class Replicator:
 
         def place(x):
             if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-                # Always a copy: donating the result must not delete the caller's array.
-                return jax.device_put(x, self.mirrored_sharding, may_alias=False)
+                placed = jax.device_put(x, self.mirrored_sharding, may_alias=False)
+                # may_alias=False is not enough: broadcasting to several devices, JAX reuses
+                # x's buffer on the device x is on. Donating the result would delete x.
+                return jnp.copy(placed) if _shares_buffers(placed, x) else placed
             if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
                 # Typed PRNG keys have no NumPy form: place their raw data, re-wrap.
                 data = place(jax.random.key_data(x))
@@ -363,7 +375,7 @@ class Replicator:
         if any(type(x) is PerReplica for x in flat):
             args = self._place_marked(args)
             flat, treedef = jax.tree.flatten(args)
-        kinds = tuple(self._kind_of(x, args, i) for i, x in enumerate(flat))
+        kinds = self._kinds(flat, args)
         donate = tuple(sorted(donate_argnums))
         key = (fn, treedef, kinds, donate)
         entry = self._run_cache.get(key)
@@ -377,15 +389,30 @@ class Replicator:
             entry = self._run_cache[key] = (step, meta)
         return entry[0], entry[1], flat
 
-    def _kind_of(self, x: Any, args: tuple, index: int) -> Kind:
-        sharding = getattr(x, "sharding", None)
-        if not (
+    def _kinds(self, flat: list, args: tuple) -> tuple[Kind, ...]:
+        """How each argument leaf reaches the replicas; per call, so kept cheap: whether
+        a sharding splits over the replicas is worked out once per sharding."""
+        kinds, splits = [], self._splits
+        for i, x in enumerate(flat):
+            sharding = compat.leading_sharding(x)
+            if sharding is None:
+                kinds.append(Kind.MIRRORED)
+                continue
+            split = splits.get(sharding)
+            if split is None:
+                split = splits[sharding] = self._splits_over_replicas(sharding)
+            kinds.append(self._split_kind(x, args, i) if split else Kind.MIRRORED)
+        return tuple(kinds)
+
+    def _splits_over_replicas(self, sharding: Any) -> bool:
+        return (
             isinstance(sharding, NamedSharding)
-            and sharding.spec
+            and bool(sharding.spec)
             and _as_tuple(sharding.spec[0]) in (self.axis_name, DATA_AXES)
             and sharding.mesh.axis_names == self.mesh.axis_names
-        ):
-            return Kind.MIRRORED
+        )
+
+    def _split_kind(self, x: Any, args: tuple, index: int) -> Kind:
         kind = pr.known_kind(x)
         rows = x.shape[0]
         if kind is Kind.PER_REPLICA and rows != self.num_replicas:
@@ -631,24 +658,10 @@ class Replicator:
             static_argnums=static_argnums,
             compiler_options={**(self._compiler_options or {}), **(compiler_options or {})} or None,
         )
-        plain = jit(_in_global_view(fn))
+        mesh = self.mesh.abstract_mesh
+        plain = jit(_in_global_view(fn, mesh))
         current = [plain]
-
-        def traced(call: Callable) -> Any:
-            # A step without collectives compiles exactly as jax.jit(fn). One that uses
-            # the replica axes is traced again with them bound to a single replica.
-            try:
-                return call(current[0])
-            except AxisNameError:
-                raise
-            except NameError as e:
-                name = _unbound_axis(e)
-                if name is None:
-                    raise
-                if name not in self.axis_name or current[0] is not plain:
-                    raise self._axis_error(name, "compile") from e
-                current[0] = step.jitted = jit(_in_global_view(_bind_axes(fn, self.axis_name)))
-                return call(current[0])
+        bound = self._in_flight.bound
 
         def step(*args, **kwargs):
             if graphs.has_graph_nodes(args):
@@ -658,20 +671,59 @@ class Replicator:
                         "in_shardings, out_shardings or static_argnums."
                     )
                 return graph_step(*args)
-            with jax.set_mesh(self.mesh):
-                return traced(lambda jitted: self._in_flight.dispatch(jitted, *args, **kwargs))
+            try:  # the fast path: jit's own dispatch, plus the bound where it is needed
+                if bound:
+                    return self._in_flight.dispatch(current[0], *args, **kwargs)
+                return current[0](*args, **kwargs)
+            except NameError as e:
+                # A step without collectives compiles exactly as jax.jit(fn). One that
+                # uses the replica axes is traced again with them bound to one replica.
+                if not self._bind_replica_axes(e, current, plain):
+                    raise
+                current[0] = step.jitted = jit(
+                    _in_global_view(_bind_axes(fn, self.axis_name), mesh)
+                )
+                return step(*args, **kwargs)
 
         def lower(*args, **kwargs) -> jax.stages.Lowered:
-            with jax.set_mesh(self.mesh):
-                return traced(lambda jitted: jitted.lower(*args, **kwargs))
+            try:
+                return current[0].lower(*args, **kwargs)
+            except NameError as e:
+                if not self._bind_replica_axes(e, current, plain):
+                    raise
+                current[0] = step.jitted = jit(
+                    _in_global_view(_bind_axes(fn, self.axis_name), mesh)
+                )
+                return current[0].lower(*args, **kwargs)
 
         step.jitted, step.lower = plain, lower  # jitted: the jax.jit object in use
         step.__name__ = getattr(fn, "__name__", "step")
         return step
 
+    def _bind_replica_axes(self, error: NameError, current: list, plain: Callable) -> bool:
+        """Whether a compiled step's unbound-axis error means: trace again with the
+        replica axes bound; raises `AxisNameError` for an axis that is not theirs."""
+        if isinstance(error, AxisNameError):
+            return False
+        name = _unbound_axis(error)
+        if name is None:
+            return False
+        if name not in self.axis_name or current[0] is not plain:
+            raise self._axis_error(name, "compile") from error
+        return True
+
     def wait(self) -> None:
         """Blocks until every dispatched step has finished."""
         self._in_flight.drain()
+
+
+def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
+    """Whether ``a`` holds any of ``b``'s device buffers (True when it cannot tell)."""
+    try:
+        theirs = {s.data.unsafe_buffer_pointer() for s in b.addressable_shards}
+        return any(s.data.unsafe_buffer_pointer() in theirs for s in a.addressable_shards)
+    except Exception:  # a backend without buffer pointers: assume the worst, copy
+        return True
 
 
 def _as_tuple(entry) -> tuple[str, ...] | None:
@@ -723,10 +775,13 @@ def _stack(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return _vary(jnp.asarray(x), axes)[None]
 
 
-def _in_global_view(fn: Callable) -> Callable:
+def _in_global_view(fn: Callable, mesh: jax.sharding.AbstractMesh) -> Callable:
+    """``fn`` traced as a global-view step: with the mesh ambient (bare
+    `PartitionSpec`s refer to it) only while tracing, never on each call."""
+
     @functools.wraps(fn)
     def global_step(*args, **kwargs):
-        with global_view():
+        with global_view(), jax.sharding.use_abstract_mesh(mesh):
             return fn(*args, **kwargs)
 
     # Named after the step in compile logs, profiles and HLO dumps: jit_<fn>.
@@ -768,21 +823,26 @@ def _unbound_axis(error: NameError) -> str | None:
 
 
 class _StepsInFlight:
-    """Bounds how many dispatched steps may be unfinished.
+    """Bounds how many dispatched steps may be unfinished (``bound``; 0: no bound).
 
-    Keeps the smallest output of each recent step (all outputs of one executable
-    become ready together) and waits for the oldest when over the bound.
+    Keeps one output of each recent step (all outputs of one executable become
+    ready together) and waits for the oldest when over the bound. Without a
+    bound it only remembers the last step's outputs, for `drain`.
     """
 
     def __init__(self, bound: int):
         self.bound = bound
         self._pending: collections.deque[list[jax.Array]] = collections.deque()
+        self._last: Any = None
 
     def dispatch(self, fn: Callable, *args, **kwargs) -> Any:
         out = fn(*args, **kwargs)
+        if not self.bound:
+            self._last = out
+            return out
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
         if arrays:
-            self._pending.append(sorted(arrays, key=lambda x: x.size)[:2])
+            self._pending.append([min(arrays, key=lambda x: x.size)])
         while len(self._pending) > self.bound:
             self._wait(self._pending.popleft())
         return out
@@ -790,7 +850,7 @@ class _StepsInFlight:
     def _wait(self, arrays: list[jax.Array]) -> None:
         # An output may since have been donated into a later step; then that later
         # step's outputs stand for it (it cannot finish before this one).
-        for candidates in (arrays, *self._pending):
+        for candidates in itertools.chain((arrays,), self._pending):
             for x in candidates:
                 if _block(x):
                     return
@@ -798,6 +858,10 @@ class _StepsInFlight:
     def drain(self) -> None:
         while self._pending:
             self._wait(self._pending.popleft())
+        last, self._last = self._last, None
+        for x in jax.tree.leaves(last):
+            if isinstance(x, jax.Array):
+                _block(x)
 
 
 def _block(x: jax.Array) -> bool:

@@ -46,7 +46,7 @@ def trained(tmp_path_factory, digits_data_dir):
 
 
 def test_train_writes_metrics_events_and_checkpoints(trained):
-    _, workdir, result = trained
+    config, workdir, result = trained
     records = read_records(workdir)
     train_records = [r for r in records if "split" not in r]
     assert [r["step"] for r in train_records] == [3, 6]
@@ -63,6 +63,10 @@ def test_train_writes_metrics_events_and_checkpoints(trained):
     assert {"setup", "compile", "compute", "input", "eval", "checkpoint"} <= set(phases)
     assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], 0.01)
     assert summary["flops_per_step"] > 1e6  # the CNN's forward and backward on 64 digits
+    # Mirrored on every device: the parameters, and Adam's two moments of the same size.
+    params = jax.tree.leaves(setup(config).abstract_state.params)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in params)
+    assert 3 * param_bytes <= summary["state_bytes_per_device"] <= 3 * param_bytes + 64
     assert 0 < summary["mfu"] < 1 and summary["peak_source"] == "measured f32 matmul"
 
 
@@ -98,6 +102,9 @@ def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
         ({"step_path": "pmap"}, "'step_path'='pmap' is not one of"),
         ({"mesh": {"data": 3}}, "3 devices but 8"),
         ({"model": {"num_clases": 10}}, "config.model does not fit"),
+        ({"experiment": "experiments.nope"}, "experiments.nope' cannot be imported"),
+        ({"experiment": "experiments.datasets"}, "has no make_experiment"),
+        ({"best_metric": "perplexity"}, r"'perplexity' is not a metric .* \['accuracy'"),
     ],
 )
 def test_bad_config_fails_before_the_workdir_is_touched(

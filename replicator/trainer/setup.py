@@ -132,7 +132,12 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
 
 def load_experiment(path: str, settings: Settings) -> Experiment:
     """Imports ``path`` (a module with ``make_experiment``) and makes its experiment."""
-    module = importlib.import_module(path)
+    try:
+        module = importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name is None or not path.startswith(e.name):
+            raise  # the experiment itself imports something missing: a real bug
+        raise ValueError(f"config.experiment={path!r} cannot be imported: {e}.") from e
     make = getattr(module, "make_experiment", None)
     if not callable(make):
         raise ValueError(
