@@ -31,7 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import cpu, graphs, optim
+from replicator import cpu, graphs, optim, sharding
 from replicator import per_replica as pr
 from replicator.context import (
     AxisNameError,
@@ -77,6 +77,13 @@ class Replicator:
         process XLA's memory-optimized scheduler and glibc keeping freed memory
         (process-wide). 3-6x faster training of the tutorial CNN on CPU; False
         keeps JAX's defaults.
+      rules: how parameters shard: ``(logical_axis, mesh_axis)`` pairs for flax
+        logical-axis annotations, or ``(path_regex, (mesh_axis, ...))`` for
+        models without them; None: `replicator.sharding.DEFAULT_RULES` (FSDP on
+        ``fsdp``, Megatron-style ``mlp``/``heads`` on ``tensor``). See
+        `param_shardings`.
+      strict: a rule that matches nothing, or a large parameter left replicated
+        on a sharded mesh, is an error instead of a warning.
 
     Attributes:
       mesh: the `jax.sharding.Mesh`, axes ``("data", "fsdp", "tensor")``.
@@ -106,6 +113,8 @@ class Replicator:
         *,
         max_steps_in_flight: int | None = None,
         cpu_defaults: bool = True,
+        rules: Sequence[sharding.Rule] | None = None,
+        strict: bool = False,
     ):
         if max_steps_in_flight is not None and max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}.")
@@ -126,6 +135,9 @@ class Replicator:
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
         self._splits: dict[Any, bool] = {}  # sharding -> splits over the replicas?
+        self.rules = rules
+        self.strict = strict
+        self._plan: sharding.ShardingPlan | None = None
         self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
 
     def __repr__(self) -> str:
@@ -275,6 +287,41 @@ class Replicator:
             return jax.make_array_from_process_local_data(self.mirrored_sharding, np.asarray(x))
 
         return jax.tree.map(place, tree)
+
+    # ------------------------------------------------------------- sharding
+
+    def param_shardings(self, abstract_params: PyTree) -> PyTree:
+        """Where each parameter lives on this mesh, from the rules (`replicator.sharding`).
+
+        Args:
+          abstract_params: parameters or their shapes (``jax.eval_shape``), with
+            flax logical-axis annotations (``nn.with_logical_partitioning``) or
+            without (path rules and automatic FSDP apply).
+
+        Returns:
+          The same structure of `NamedSharding`s (flax boxes kept).
+        """
+        self._plan = sharding.plan_param_shardings(
+            abstract_params, self.mesh, self.rules, strict=self.strict
+        )
+        return self._plan.shardings
+
+    def init(self, init_fn: Callable, *args: Any) -> PyTree:
+        """``init_fn(*args)`` created directly in its shardings: parameters as
+        `param_shardings` says, optimizer state like its parameters, the rest
+        mirrored; no device ever holds a whole sharded leaf.
+
+        Example::
+
+          state = repl.init(lambda key: rp.TrainState.create(
+              model.init(key, x)["params"], tx, key), jax.random.key(0))
+        """
+        return sharding.init_sharded(init_fn, self.param_shardings, *args)
+
+    def sharding_report(self, state: PyTree) -> str:
+        """Bytes per device per top-level subtree, the largest parameters left
+        replicated, and which rule sharded what."""
+        return sharding.sharding_report(state, self.mesh, self._plan or self.rules)
 
     # ------------------------------------------------------- per-replica path
 

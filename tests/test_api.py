@@ -48,6 +48,9 @@ def test_replicator_methods_of_the_contract():
         "axis_name",
         "process_rows",
         "apply_policy",
+        "param_shardings",
+        "init",
+        "sharding_report",
     ]:
         assert hasattr(rp.Replicator(), name), name
 

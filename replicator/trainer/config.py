@@ -45,6 +45,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
     # Where and how precisely.
     "mesh": ((dict,), {"data": -1}, "mesh axis sizes, e.g. dict(data=-1) or dict(fsdp=8)"),
+    "rules": ((tuple, list, None), None, "parameter sharding rules (None: FSDP + Megatron)"),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
     "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),

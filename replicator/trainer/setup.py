@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from replicator import sharding
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
@@ -53,15 +54,17 @@ class Run:
     abstract_state: Any
     eval_source: Any
     eval_batch_size: int
+    state_shardings: Any
     _init: Callable
     _sources: list = dataclasses.field(default_factory=list)
 
     def init_state(self) -> Any:
-        """A fresh train state, mirrored on the mesh."""
+        """A fresh train state, created directly in its shardings (mirrored under data
+        parallelism; parameters and optimizer state sharded by the rules otherwise)."""
         cpu = self.repl.mesh.devices.flat[0].platform == "cpu"
         init = self.repl.compile(
             self._init,
-            out_shardings=self.repl.mirrored_sharding,
+            out_shardings=self.state_shardings,
             compiler_options=_RUN_ONCE if cpu else None,
         )
         return init()
@@ -98,7 +101,12 @@ class Run:
 def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     """Validates ``config`` and builds the Replicator, experiment, steps and eval data."""
     config = config_lib.validate(config)
-    repl = Replicator(devices=devices, mesh=dict(config.mesh), precision=config.precision)
+    repl = Replicator(
+        devices=devices,
+        mesh=dict(config.mesh),
+        precision=config.precision,
+        rules=None if config.rules is None else [tuple(rule) for rule in config.rules],
+    )
     experiment = load_experiment(
         config.experiment,
         Settings(
@@ -121,13 +129,23 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
     )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
-    train_step, eval_step = _make_steps(repl, experiment, config)
+    abstract = jax.eval_shape(init)
+    shardings = _state_shardings(repl, abstract)
+    train_step, eval_step = _make_steps(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
     eval_batch_size = -(-(config.eval_batch_size or config.batch_size) // unit) * unit
     return Run(
-        config, repl, experiment, train_step, eval_step, jax.eval_shape(init), eval_source,
-        eval_batch_size, init, [eval_source],
+        config, repl, experiment, train_step, eval_step,
+        sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
+        init, [eval_source],
     )  # fmt: skip
+
+
+def _state_shardings(repl: Replicator, abstract: Any) -> Any:
+    """Mirrored under pure data parallelism; else by the Replicator's rules."""
+    if repl.mesh.shape["fsdp"] == repl.mesh.shape["tensor"] == 1:
+        return jax.tree.map(lambda _: repl.mirrored_sharding, abstract)
+    return sharding.state_shardings(abstract, repl.param_shardings, mesh=repl.mesh)
 
 
 def load_experiment(path: str, settings: Settings) -> Experiment:
@@ -156,8 +174,15 @@ def load_experiment(path: str, settings: Settings) -> Experiment:
     return experiment
 
 
-def _make_steps(repl: Replicator, experiment: Experiment, config) -> tuple[Callable, Callable]:
-    """The experiment's steps on the configured path, their sums reduced across replicas."""
+def _make_steps(
+    repl: Replicator, experiment: Experiment, config, state_shardings: Any
+) -> tuple[Callable, Callable]:
+    """The experiment's steps on the configured path, their sums reduced across replicas.
+
+    Under ``compile`` the state keeps its shardings from step to step (FSDP and
+    tensor parallelism); under ``run`` sharded parameters are gathered for the
+    step (correct, without FSDP's memory saving yet).
+    """
     train_fn = _with_matmul_precision(experiment.train_step, config.matmul_precision)
     eval_fn = _with_matmul_precision(experiment.eval_step, config.matmul_precision)
 
@@ -172,7 +197,12 @@ def _make_steps(repl: Replicator, experiment: Experiment, config) -> tuple[Calla
         return repl.reduce(ReduceOp.SUM, sums)
 
     if config.step_path == "compile":
-        return repl.compile(train_step, donate_argnums=(0,)), repl.compile(eval_step)
+        mirrored = repl.mirrored_sharding
+        keep = dict(
+            in_shardings=(state_shardings, repl.batch_sharding),
+            out_shardings=(state_shardings, mirrored, mirrored),
+        )
+        return repl.compile(train_step, donate_argnums=(0,), **keep), repl.compile(eval_step)
 
     def train_replicas(state, batch):
         return repl.run(train_step, state, batch, donate_argnums=(0,))

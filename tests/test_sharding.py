@@ -1,0 +1,424 @@
+"""Sharding beyond data parallelism: rules -> specs, sharded init, equal steps, reports."""
+
+import dataclasses
+import doctest
+import functools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator import sharding as sh
+from replicator.mesh import DATA_AXES, MESH_AXES, build_mesh
+from replicator.state import TrainState
+
+RULES = [("embed", "fsdp"), ("mlp", "tensor")]
+
+
+def logical(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class MLP(nn.Module):
+    """16 -> 64 -> 16, annotated with logical axes ``embed`` and ``mlp``."""
+
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        normal, zeros = nn.initializers.lecun_normal(), nn.initializers.zeros_init()
+        h = nn.Dense(
+            self.hidden,
+            kernel_init=logical(normal, ("embed", "mlp")),
+            bias_init=logical(zeros, ("mlp",)),
+            name="fc",
+        )(x)
+        return nn.Dense(
+            x.shape[-1],
+            kernel_init=logical(normal, ("mlp", "embed")),
+            bias_init=logical(zeros, ("embed",)),
+            name="proj",
+        )(nn.gelu(h))
+
+
+def mesh_of(**sizes):
+    return build_mesh(jax.devices()[: int(np.prod(list(sizes.values())))], sizes)
+
+
+def specs(shardings):
+    return jax.tree.map(lambda s: s.spec, nn.meta.unbox(shardings))
+
+
+@pytest.fixture(autouse=True)
+def sharding_warnings_are_errors():
+    # A warning the test did not ask for means a wrong placement.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sh.ShardingWarning)
+        yield
+
+
+@pytest.fixture(scope="module")
+def mlp_abstract():
+    return jax.eval_shape(MLP().init, jax.random.key(0), jnp.zeros((1, 16)))["params"]
+
+
+# ------------------------------------------------------------------ rules -> specs
+
+
+def test_annotated_mlp_gets_the_rules_specs(mlp_abstract):
+    cube = sh.param_shardings(mlp_abstract, mesh_of(data=2, fsdp=2, tensor=2), RULES, min_size=0)
+    assert specs(cube) == {
+        "fc": {"kernel": P("fsdp", "tensor"), "bias": P("tensor")},
+        "proj": {"kernel": P("tensor", "fsdp"), "bias": P("fsdp")},
+    }
+    # The boxes stay, holding the sharding: the tree matches the params exactly.
+    assert jax.tree.structure(cube) == jax.tree.structure(mlp_abstract)
+    # fsdp=8: tensor (size 1) is dropped, and fsdp also splits what `mlp` left whole.
+    assert specs(sh.param_shardings(mlp_abstract, mesh_of(fsdp=8), RULES, min_size=0)) == {
+        "fc": {"kernel": P("fsdp"), "bias": P("fsdp")},
+        "proj": {"kernel": P(None, "fsdp"), "bias": P("fsdp")},
+    }
+    for mesh in (mesh_of(data=8), mesh_of(data=1)):
+        flat = jax.tree.leaves(specs(sh.param_shardings(mlp_abstract, mesh, RULES, min_size=0)))
+        assert flat == [P()] * 4
+    # Below min_size, everything stays replicated.
+    small = sh.param_shardings(mlp_abstract, mesh_of(data=2, fsdp=2, tensor=2), RULES)
+    assert set(jax.tree.leaves(specs(small))) == {P()}
+
+
+def test_lm_params_get_fsdp_by_default():
+    from experiments.lm.model import Transformer
+
+    model = Transformer(vocab_size=256, num_layers=1, num_heads=4, embed_dim=128, max_len=128)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    plan = sh.plan_param_shardings(abstract, mesh_of(fsdp=8))
+    by_path = {p.path: p for p in plan.placements}
+    assert by_path["params/block_0/attention/qkv_kernel"].spec == P("fsdp")
+    assert by_path["params/block_0/attention/out_kernel"].spec == P(None, None, "fsdp")
+    assert by_path["params/block_0/mlp/fc/kernel"].spec == P("fsdp")
+    assert by_path["params/block_0/mlp/proj/kernel"].spec == P(None, "fsdp")
+    assert by_path["params/token_embedding/embedding"].spec == P(None, "fsdp")
+    for p in plan.placements:
+        big = np.prod(p.shape) >= sh.MIN_SHARD_SIZE
+        assert ("fsdp" in p.spec) == big, p
+    # FSDP + Megatron on the cube: heads and the MLP's hidden width on `tensor`.
+    cube = {
+        p.path: p.spec
+        for p in sh.plan_param_shardings(abstract, mesh_of(data=2, fsdp=2, tensor=2)).placements
+    }
+    assert cube["params/block_0/attention/qkv_kernel"] == P("fsdp", None, "tensor")
+    assert cube["params/block_0/mlp/proj/kernel"] == P("tensor", "fsdp")
+
+
+def test_path_rules_and_automatic_fsdp_shard_unannotated_params():
+    params = {
+        "dense": {"kernel": jnp.zeros((64, 512)), "bias": jnp.zeros(512)},
+        "conv": {"kernel": jnp.zeros((3, 3, 64, 128))},
+        "table": jnp.zeros((4096, 8)),
+    }
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
+    rules = [(r".*/kernel", ("fsdp", "tensor")), (r"conv/kernel", (None, None, "fsdp", "tensor"))]
+    rules = [rules[1], rules[0]]  # the first match wins
+    got = specs(sh.param_shardings(params, mesh, rules))
+    assert got == {
+        "dense": {"kernel": P("fsdp", "tensor"), "bias": P()},
+        "conv": {"kernel": P(None, None, "fsdp", "tensor")},
+        "table": P("fsdp"),  # no rule: the largest dimension divisible by fsdp
+    }
+    # nn.Partitioned boxes name mesh axes directly.
+    boxed = {"w": nn.Partitioned(jnp.zeros((256, 256)), ("tensor", "fsdp"))}
+    assert specs(sh.param_shardings(boxed, mesh)) == {"w": P("tensor", "fsdp")}
+
+
+# ------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "rules, words",
+    [
+        ([*RULES, ("heads", "tensor")], ["matches nothing", "'heads'", "['embed', 'mlp']"]),
+        (
+            [*RULES, (r"encoder/.*", ("fsdp",))],
+            ["matches nothing", "encoder/.*", "paths look like 'fc/bias'"],
+        ),
+        ([("embed", "model"), ("mlp", "tensor")], ["'model'", "does not have"]),
+        ([*RULES, ("embed", "tensor")], ["'embed' is claimed by two rules"]),
+    ],
+    ids=["logical-unused", "path-unused", "unknown-axis", "claimed-twice"],
+)
+def test_bad_rules_warn_or_raise_naming_them(mlp_abstract, rules, words):
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
+    with pytest.raises(sh.ShardingError) as error:
+        sh.param_shardings(mlp_abstract, mesh, rules, strict=True, min_size=0)
+    for word in words:
+        assert word in str(error.value)
+    with pytest.warns(sh.ShardingWarning) as record:
+        shardings = sh.param_shardings(mlp_abstract, mesh, rules, min_size=0)
+    assert any(all(w in str(r.message) for w in words) for r in record)
+    assert specs(shardings)["fc"]["kernel"] in (P("fsdp", "tensor"), P(None, "tensor"))
+
+
+def test_large_replicated_parameter_is_named_with_its_size():
+    params = {"odd": jax.ShapeDtypeStruct((1001, 33), jnp.float32), "ok": jnp.zeros((8, 4096))}
+    mesh = mesh_of(fsdp=8)
+    with pytest.raises(sh.ShardingError, match=r"odd \(1001, 33\) \(33,033 elements, 129.0 KiB\)"):
+        sh.param_shardings(params, mesh, strict=True)
+    with pytest.warns(sh.ShardingWarning, match="left replicated"):
+        got = specs(sh.param_shardings(params, mesh))
+    assert got == {"odd": P(), "ok": P(None, "fsdp")}
+    # On a data-parallel mesh replication is the plan: nothing to say.
+    sh.param_shardings(params, mesh_of(data=8), strict=True)
+
+
+def test_indivisible_dimension_is_kept_whole_with_a_warning():
+    abstract = jax.eval_shape(MLP(hidden=63).init, jax.random.key(0), jnp.zeros((1, 16)))
+    mesh = mesh_of(data=2, fsdp=2, tensor=2)
+    with pytest.raises(sh.ShardingError, match="dimension 1 of size 63 does not divide"):
+        sh.param_shardings(abstract, mesh, RULES, strict=True, min_size=100)
+    with pytest.warns(sh.ShardingWarning, match=r"params/fc/kernel \(16, 63\): dimension 1"):
+        got = specs(sh.param_shardings(abstract, mesh, RULES, min_size=100))
+    assert got["params"]["fc"]["kernel"] == P("fsdp")
+    with pytest.raises(TypeError, match="neither"):
+        sh.param_shardings(abstract, mesh, [("embed",)])
+
+
+# ---------------------------------------------------------------- init and steps
+
+
+def make_state(key, tx):
+    params = MLP().init(key, jnp.zeros((1, 16)))["params"]
+    return TrainState.create(params, tx, key)
+
+
+def loss_fn(params, batch):
+    out = MLP().apply({"params": params}, batch["x"])
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def step(state, batch, tx):
+    grads = jax.grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads, tx)
+
+
+@pytest.fixture(scope="module")
+def cube():
+    return mesh_of(data=2, fsdp=2, tensor=2)
+
+
+def cube_shardings(mesh):
+    return functools.partial(sh.param_shardings, mesh=mesh, rules=RULES, min_size=0)
+
+
+def test_init_sharded_creates_every_leaf_in_its_sharding(cube):
+    tx = optax.adam(1e-2)
+    init = functools.partial(make_state, tx=tx)
+    state = sh.init_sharded(init, cube_shardings(cube), jax.random.key(0))
+    expected = sh.state_shardings(jax.eval_shape(init, jax.random.key(0)), cube_shardings(cube))
+    kernel = NamedSharding(cube, P("fsdp", "tensor"))
+    mu, nu = state.opt_state[0].mu, state.opt_state[0].nu
+    for leaf in (state.params, mu, nu):
+        assert leaf["fc"]["kernel"].value.sharding == kernel  # Adam's moments follow params
+    assert state.opt_state[0].count.sharding.is_fully_replicated
+    assert state.step.sharding.is_fully_replicated
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
+        assert x.sharding == s
+        for shard in x.addressable_shards:  # each device holds its shard, no more
+            assert shard.data.shape == s.shard_shape(x.shape)
+    compiled = jax.jit(init, out_shardings=expected).lower(jax.random.key(0)).compile()
+    assert jax.tree.leaves(compiled.output_shardings) == jax.tree.leaves(expected)
+    whole = sh.bytes_per_device(jax.device_get(state))
+    assert sh.bytes_per_device(state) < 0.3 * whole
+    assert compiled.memory_analysis().output_size_in_bytes < 0.3 * whole
+    # Same numbers as an unsharded init.
+    plain = jax.jit(init)(jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
+        if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_compiled_step_on_the_cube_equals_one_device(cube, tx):
+    init = functools.partial(make_state, tx=tx)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(12, 16)), "y": rng.normal(size=(12, 16))}
+    batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), batch)
+    state = sh.init_sharded(init, cube_shardings(cube), jax.random.key(0))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_sharding = NamedSharding(cube, P(DATA_AXES))
+    sharded = jax.jit(
+        functools.partial(step, tx=tx),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=shardings,
+    )
+    single = jax.jit(functools.partial(step, tx=tx))
+    one = jax.device_put(jax.jit(init)(jax.random.key(0)), jax.devices()[0])
+    for _ in range(3):
+        state, one = sharded(state, batch), single(one, batch)
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+            assert x.sharding == s
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_step_inside_shard_map_equals_one_device(cube):
+    """The recipe for `run`: gather parameters, reduce-scatter gradients, update shards."""
+    tx = optax.adam(1e-2)
+    init = functools.partial(make_state, tx=tx)
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(12, 16)), "y": rng.normal(size=(12, 16))}
+    batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), batch)
+    state = sh.init_sharded(init, cube_shardings(cube), jax.random.key(0))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    manual = sh.manual_specs(shardings)
+    param_specs = manual.params
+
+    def per_replica(state, batch):
+        def local_loss(params):  # this replica's share of the global mean
+            return loss_fn(params, batch) * batch["x"].shape[0] / 12
+
+        grads = jax.grad(local_loss)(sh.gather_shards(state.params, param_specs))
+        grads = sh.reduce_scatter_grads(grads, param_specs)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+
+    zero = jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=cube,
+            in_specs=(manual, P(DATA_AXES)),
+            out_specs=manual,
+            axis_names=set(DATA_AXES),
+        ),
+        out_shardings=shardings,
+    )
+    one = jax.jit(init)(jax.random.key(0))
+    for _ in range(2):
+        state = zero(state, jax.device_put(batch, NamedSharding(cube, P(DATA_AXES))))
+        one = step(one, batch, tx)
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert x.sharding == s
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ report
+
+
+def test_report_counts_bytes_per_device():
+    from experiments.lm.model import Transformer
+
+    model = Transformer(vocab_size=256, num_layers=2, num_heads=4, embed_dim=128, max_len=128)
+    tx = optax.adam(1e-3)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+        return TrainState.create(params, tx, key)
+
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    placed = {}
+    for name, sizes in {"data": {"data": 8}, "fsdp": {"fsdp": 8}}.items():
+        mesh = mesh_of(**sizes)
+        fn = functools.partial(sh.param_shardings, mesh=mesh)
+        placed[name] = sh.attach_shardings(abstract, sh.state_shardings(abstract, fn))
+    data_bytes = sh.bytes_per_device(placed["data"].params)
+    fsdp_bytes = sh.bytes_per_device(placed["fsdp"].params)
+    assert data_bytes == sum(x.size * 4 for x in jax.tree.leaves(abstract.params))
+    assert data_bytes / 8 <= fsdp_bytes <= 0.15 * data_bytes
+    assert sh.bytes_per_device(placed["fsdp"]) <= 0.3 * sh.bytes_per_device(placed["data"])
+
+    mesh = mesh_of(fsdp=8)
+    report = sh.sharding_report(
+        placed["fsdp"], mesh, sh.plan_param_shardings(abstract.params, mesh)
+    )
+    assert "mesh data=1 fsdp=8 tensor=1 (8 devices)" in report
+    rows = {line.split()[0]: line for line in report.splitlines() if line.strip()}
+    assert sh._format_bytes(fsdp_bytes) in rows["params"]
+    assert "opt_state" in rows and "total" in rows
+    assert "Largest parameters left replicated:" in report
+    assert "params/block_0/mlp/fc/bias" in report  # the largest small one
+    assert "('embed', 'fsdp'): 10 parameters" in report
+    assert "below min_size: replicated" in report
+    # Without a plan: parameters grouped by their spec.
+    assert "P(None, 'fsdp'): " in sh.sharding_report(placed["fsdp"], mesh)
+
+
+# ------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_restores_exactly_across_four_meshes(tmp_path):
+    tx = optax.adam(1e-2)
+    init = functools.partial(make_state, tx=tx)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    chain = [{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"data": 1}]
+    devices = [jax.devices(), jax.devices(), jax.devices(), jax.devices()[:1]]
+    repl = rp.Replicator(devices=devices[0], mesh=chain[0])
+    state = sh.init_sharded(init, cube_shardings(repl.mesh), jax.random.key(0))
+    expected = jax.device_get(state)
+    for step, (sizes, devs) in enumerate(zip(chain[1:], devices[1:]), start=1):
+        with rp.Checkpoints(tmp_path / str(step), repl) as ckpt:
+            ckpt.save(step, state)
+            ckpt.wait()
+        repl = rp.Replicator(devices=devs, mesh=sizes)
+        target = sh.state_shardings(abstract, cube_shardings(repl.mesh))
+        with rp.Checkpoints(tmp_path / str(step), repl, read_only=True) as ckpt:
+            state = ckpt.restore(like=sh.attach_shardings(abstract, target))
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+            assert x.sharding == s, sizes
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert state.params["fc"]["kernel"].value.sharding.mesh.devices.size == 1
+
+
+# ------------------------------------------------------------------- multi-slice
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInTpu:
+    """What mesh_utils reads of a TPU device (as JAX's own mesh_utils tests fake them)."""
+
+    id: int
+    coords: tuple[int, int, int]
+    slice_index: int
+    process_index: int = 0
+    core_on_chip: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v4"
+
+
+def stand_in_slices(slices, x=2, y=2, z=1):
+    return [
+        StandInTpu(id=s * x * y * z + i, coords=(i % x, i // x % y, i // (x * y)), slice_index=s)
+        for s in range(slices)
+        for i in range(x * y * z)
+    ]
+
+
+def test_hybrid_mesh_keeps_fsdp_and_tensor_inside_a_slice():
+    devices = stand_in_slices(2)
+    array = sh.hybrid_mesh_devices({"fsdp": 2, "tensor": 2}, {"data": 2}, devices)
+    assert array.shape == (2, 2, 2)
+    for d in range(2):  # each data row is one slice: only `data` crosses slices
+        assert {dev.slice_index for dev in array[d].flat} == {d}
+    assert sorted(dev.id for dev in array.flat) == list(range(8))
+    array = sh.hybrid_mesh_devices({"fsdp": -1}, None, stand_in_slices(4))
+    assert array.shape == (4, 4, 1)
+    with pytest.raises(ValueError, match="4"):
+        sh.hybrid_mesh_devices({"fsdp": 4}, {"data": 4}, devices)
+    with pytest.raises(ValueError, match="slice_index"):
+        sh.hybrid_mesh_devices({"fsdp": 4}, {"data": 2}, jax.devices())
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(
+        sh, extraglobs={"jnp": jnp, "build_mesh": build_mesh, "MESH_AXES": MESH_AXES}
+    )
+    assert result.failed == 0 and result.attempted >= 3
