@@ -4,8 +4,13 @@ A policy names three dtypes: parameters (and optimizer state) are *stored* in
 ``param_dtype``, the model *computes* in ``compute_dtype``, and its outputs
 (logits, hence losses) come out in ``output_dtype``. `apply_policy` enforces it
 on an unchanged Flax model by casting: parameters and floating inputs go into
-``apply`` in the compute dtype, outputs leave in the output dtype, and the
-gradients flow back through the casts to the float32 parameters.
+the model in the compute dtype, outputs leave in the output dtype, and the
+gradients flow back through the casts to the float32 parameters. A Linen model
+gets a `PolicyModel` (its own ``init``/``apply``); an NNX module gets a
+`PolicyModule`, itself an ``nnx.Module``, so it works with ``nnx.Optimizer``,
+``nnx.split`` and `Replicator.run` like the module it wraps. Non-parameter
+state (BatchNorm statistics, RNG counters) is never cast: statistics are
+accumulated in float32 whatever the compute dtype.
 
 fp16's narrow exponent range needs a loss scale: `LossScale` multiplies the
 loss before differentiation, and the train state unscales the gradients, skips
@@ -21,7 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 PyTree = Any
 
@@ -81,12 +86,16 @@ def get_policy(precision: str | Policy | None) -> Policy:
 
 def _cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     def cast(x):
+        if isinstance(x, nnx.Pytree):  # an NNX object (Rngs, a module) passes through as is
+            return x
         if isinstance(x, jax.Array | jax.ShapeDtypeStruct) or hasattr(x, "dtype"):
             if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
                 return jnp.asarray(x, dtype)
         return x
 
-    return jax.tree.map(cast, tree)
+    # NNX objects are pytrees too: mapped over, they would come back as copies, and
+    # what the model does to them (an Rngs counter) would be lost to the caller.
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
 
 
 class PolicyModel:
@@ -116,19 +125,64 @@ class PolicyModel:
         return getattr(self.module, name)
 
 
+class PolicyModule(nnx.Module):
+    """An NNX module under a precision policy: call it as you would the module.
+
+    A call runs the wrapped module on a copy whose `nnx.Param` values are cast
+    to the compute dtype, with floating inputs cast too, and casts floating
+    outputs to the output dtype. Layers whose ``dtype`` is left at None (Flax's
+    default) compute in the compute dtype; without that, ``nnx.BatchNorm``
+    would promote its activations to the float32 of its statistics. Everything
+    else in the module (BatchNorm statistics, RNG state) keeps its dtype, and
+    what the call changes in it is written back into the wrapped module, as an
+    NNX call does. Gradients with respect to the wrapped module's parameters
+    flow back through the casts, in the parameters' dtype.
+
+    Attributes:
+      module: the wrapped module (its parameters stay in the parameter dtype).
+      policy: the `Policy`.
+    """
+
+    def __init__(self, module: nnx.Module, policy: Policy):
+        self.module = module
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs) -> Any:
+        policy = self.policy
+        graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
+        compute = nnx.merge(graphdef, policy.cast_to_compute(params), rest, copy=True)
+        for _, layer in nnx.iter_modules(compute):
+            if hasattr(layer, "param_dtype") and getattr(layer, "dtype", False) is None:
+                layer.dtype = policy.compute_dtype
+        out = compute(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+        nnx.update(self.module, nnx.state(compute, nnx.Not(nnx.Param)))
+        return policy.cast_to_output(out)
+
+
 def apply_policy(module: Any, policy: Policy | str | None) -> Any:
     """Runs a Flax model under ``policy`` without changing its code.
 
     Args:
-      module: a Flax linen module (anything with ``init`` and ``apply``).
+      module: a Flax linen module (anything with ``init`` and ``apply``) or an
+        ``nnx.Module``.
       policy: a `Policy` or preset name.
 
     Returns:
-      ``module`` itself for fp32, else a `PolicyModel` wrapping it.
+      ``module`` itself for fp32, else a `PolicyModel` (linen) or `PolicyModule`
+      (NNX) wrapping it.
+
+    Example (an NNX layer with float32 parameters, computing in bfloat16):
+
+    >>> from flax import nnx
+    >>> layer = apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bf16")
+    >>> layer.module.kernel.dtype, layer(jnp.ones((1, 3))).dtype
+    (dtype('float32'), dtype('float32'))
     """
     policy = get_policy(policy)
     if policy.compute_dtype == policy.param_dtype == policy.output_dtype == _F32:
         return module
+    if isinstance(module, nnx.Module):
+        return PolicyModule(module, policy)
     return PolicyModel(module, policy)
 
 

@@ -633,7 +633,7 @@ class Replicator:
         return optim.wrap_optimizer(tx, self.axis_name)
 
     def apply_policy(self, model: Any) -> Any:
-        """``model`` (a Flax linen module) under this Replicator's precision policy.
+        """``model`` (a Flax linen or NNX module) under this Replicator's precision policy.
 
         With ``precision="bf16"`` the model computes in bfloat16 from float32
         parameters and returns float32 outputs; see `rp.apply_policy`.

@@ -111,8 +111,9 @@ class TrainState:
         With a ``model_state``, ``loss_fn(params, model_state, batch)`` returns
         ``(loss, new_model_state)`` (or ``(loss, (new_model_state, aux))`` with
         ``has_aux``); every microbatch starts from the same ``model_state`` and
-        the new states are averaged over the microbatches, never summed. Pass the
-        result to `apply_gradients`.
+        the new states' floating leaves (statistics) are averaged over the
+        microbatches, never summed; other leaves (counters, keys) keep the last
+        microbatch's. Pass the result to `apply_gradients`.
 
         With a loss scale, the loss is scaled before differentiation and the
         gradients unscaled after; the loss returned is unscaled.
@@ -226,12 +227,24 @@ def _accumulate(grad_fn, params, batch, k):
         first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
 
         def add(total, microbatch):
-            return jax.tree.map(jnp.add, total, grad_fn(params, microbatch)), None
+            grads, (loss, state, aux) = grad_fn(params, microbatch)
+            total_grads, (total_loss, total_state, total_aux) = total
+            # Every microbatch starts from the same model state: floating statistics
+            # are summed here and averaged below; counters and keys keep the last.
+            state = jax.tree.map(
+                lambda t, x: t + x if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                total_state,
+                state,
+            )
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            return (add(total_grads, grads), (total_loss + loss, state, add(total_aux, aux))), None
 
         total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
     grads, (loss, new_state, aux) = total
-    # Every microbatch started from the same model state: their new states average.
-    new_state = jax.tree.map(lambda x: (x / k).astype(x.dtype), new_state)
+    new_state = jax.tree.map(
+        lambda x: (x / k).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        new_state,
+    )
     if ctx is not None:
         grads = jax.lax.psum(grads, ctx.axis_name)
     return grads, (loss, new_state, aux)

@@ -1,10 +1,18 @@
-"""Image classification: the tf.distribute tutorial's CNN or flax's ImageNet ResNet.
+"""Image classification: the tf.distribute tutorial's CNN, flax's ImageNet ResNet (linen),
+or the Flax NNX MNIST tutorial's CNN (``model.arch="nnx_cnn"``, `nnx_task`).
 
 Importing it registers the offline datasets this repository defines (``digits``).
 """
 
 import experiments.datasets  # noqa: F401  (registers the local tfds builders)
+from experiments.classify import nnx_task, task
 from experiments.classify.model import CNN as CNN
 from experiments.classify.resnet import ResNet as ResNet
-from experiments.classify.task import make_experiment as make_experiment
 from experiments.classify.task import preprocess as preprocess
+from replicator.trainer import Experiment, Settings
+
+
+def make_experiment(settings: Settings) -> Experiment:
+    """`nnx_task`'s experiment for ``model.arch="nnx_cnn"``, else `task`'s (linen models)."""
+    variant = nnx_task if settings.model.get("arch") == "nnx_cnn" else task
+    return variant.make_experiment(settings)
