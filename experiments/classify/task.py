@@ -70,9 +70,7 @@ def classifier(
     if arch == "cnn":
         module = CNN(num_classes, tuple(conv_features), dense_features, padding)
     elif arch == "resnet":
-        module = ResNet(
-            tuple(stage_sizes), num_classes, num_filters, repl.axis_name, small_inputs
-        )
+        module = ResNet(tuple(stage_sizes), num_classes, num_filters, repl.axis_name, small_inputs)
     else:
         raise ValueError(f"config.model.arch={arch!r}: choose 'cnn' or 'resnet'.")
     model = repl.apply_policy(module)
