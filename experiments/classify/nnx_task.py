@@ -30,7 +30,7 @@ from flax import nnx
 
 import replicator as rp
 from experiments.classify.nnx_model import CNN
-from experiments.classify.task import preprocess, summarize
+from experiments.classify.task import eval_sums, preprocess, summarize
 from replicator.trainer import Experiment, Settings
 
 
@@ -115,15 +115,7 @@ def classifier(
     def eval_step(view, batch):
         model = merge(view["params"], view["model_state"], batch["image"])
         model = nnx.view(model, deterministic=True, use_running_average=True)
-        logits = repl.apply_policy(model)(batch["image"])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-        mask = batch["mask"].astype(jnp.float32)
-        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-        return {
-            "loss": jnp.sum(losses * mask),
-            "correct": jnp.sum(correct * mask),
-            "count": jnp.sum(mask),
-        }
+        return eval_sums(repl.apply_policy(model)(batch["image"]), batch)
 
     return Experiment(
         preprocess=preprocess,

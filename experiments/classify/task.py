@@ -116,14 +116,7 @@ def classifier(
 
     def eval_step(view, batch):
         logits, _ = apply(view["params"], view["model_state"], batch["image"], train=False)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-        mask = batch["mask"].astype(jnp.float32)
-        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-        return {
-            "loss": jnp.sum(losses * mask),
-            "correct": jnp.sum(correct * mask),
-            "count": jnp.sum(mask),
-        }
+        return eval_sums(logits, batch)
 
     return Experiment(
         preprocess=preprocess,
@@ -133,6 +126,18 @@ def classifier(
         summarize=summarize,
         metric_names=("accuracy", "loss"),
     )
+
+
+def eval_sums(logits: jax.Array, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Sums of loss, correct predictions and examples over the real (``mask``) examples."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    mask = batch["mask"].astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    return {
+        "loss": jnp.sum(losses * mask),
+        "correct": jnp.sum(correct * mask),
+        "count": jnp.sum(mask),
+    }
 
 
 def summarize(sums: Mapping[str, Any]) -> dict[str, float]:

@@ -5,21 +5,11 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
-import tensorflow_datasets as tfds
 
-from replicator.trainer.data.records import _FIXED_SHAPES, read_batch
-
-Example = dict[str, Any]
-Batch = dict[str, np.ndarray]
-
-_FILE_FORMAT = "array_record"
-# grain's MapDataset needs a length; the training stream is endless in practice.
-_ENDLESS = 2**62
-_DECODE = tfds.decode.DeserializeMethod.DESERIALIZE_AND_DECODE
+from replicator.trainer.data.records import _FIXED_SHAPES, Batch, Example, read_batch
 
 
 class CachedSource(Sequence[Example]):

@@ -11,21 +11,14 @@
 import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import grain
 import numpy as np
-import tensorflow_datasets as tfds
 
-from replicator.trainer.data.records import read_batch
+from replicator.trainer.data.records import Batch, Example, read_batch
 
-Example = dict[str, Any]
-Batch = dict[str, np.ndarray]
-
-_FILE_FORMAT = "array_record"
 # grain's MapDataset needs a length; the training stream is endless in practice.
 _ENDLESS = 2**62
-_DECODE = tfds.decode.DeserializeMethod.DESERIALIZE_AND_DECODE
 
 
 def local_batch_size(global_batch_size: int, process_count: int) -> int:

@@ -14,8 +14,6 @@ Example = dict[str, Any]
 Batch = dict[str, np.ndarray]
 
 _FILE_FORMAT = "array_record"
-# grain's MapDataset needs a length; the training stream is endless in practice.
-_ENDLESS = 2**62
 _DECODE = tfds.decode.DeserializeMethod.DESERIALIZE_AND_DECODE
 
 

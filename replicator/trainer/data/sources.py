@@ -7,22 +7,13 @@ background; others are read a batch at a time through `RecordSource`.
 
 import difflib
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
 from replicator.trainer.data.cache import CachedSource
-from replicator.trainer.data.records import RecordSource
-
-Example = dict[str, Any]
-Batch = dict[str, np.ndarray]
-
-_FILE_FORMAT = "array_record"
-# grain's MapDataset needs a length; the training stream is endless in practice.
-_ENDLESS = 2**62
-_DECODE = tfds.decode.DeserializeMethod.DESERIALIZE_AND_DECODE
+from replicator.trainer.data.records import _FILE_FORMAT, Example, RecordSource
 
 
 class DatasetNotPreparedError(ValueError):
