@@ -99,6 +99,24 @@ def split_call(args: Sequence[Any]) -> SplitCall:
     return SplitCall(layout, tuple(nodes), (*pure_args, state), state)
 
 
+def check_placement(call: SplitCall, devices: set) -> None:
+    """Raises naming the attribute of an NNX object whose array lives off ``devices``.
+
+    Such an array would be copied silently into every step; more likely the
+    object was made for another Replicator or placed by hand.
+    """
+    for path, x in jax.tree_util.tree_flatten_with_path(call.state)[0]:
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and not sharding.device_set <= devices:
+            names = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+            name = ".".join([call.layout.names[int(names[0])], *names[1:]])
+            raise ValueError(
+                f"NNX variable {name} holds an array on {sorted(d.id for d in sharding.device_set)}"
+                f", not on this Replicator's devices {sorted(d.id for d in devices)}. Place "
+                "the objects with repl.replicate((model, optimizer, ...)) first."
+            )
+
+
 def donated_positions(layout: Layout, donate_argnums: Sequence[int]) -> tuple[int, ...]:
     """The pure call's donated positions: the user's, plus the state if an object is donated."""
     donate = tuple(sorted(donate_argnums))

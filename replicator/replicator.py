@@ -395,7 +395,8 @@ class Replicator:
         call = graphs.split_call(args)
         key = (fn, call.layout, replica_rngs)
         pure = self._graph_fns.get(key)
-        if pure is None:
+        if pure is None:  # checked on the first call of each step and layout
+            graphs.check_placement(call, set(self.mesh.devices.flat))
             pure = self._graph_fns[key] = graphs.make_pure(
                 fn, call.layout, replica_rngs=replica_rngs
             )
@@ -684,6 +685,7 @@ class Replicator:
                 call = graphs.split_call(args)
                 compiled = graph_steps.get(call.layout)
                 if compiled is None:
+                    graphs.check_placement(call, set(self.mesh.devices.flat))
                     compiled = graph_steps[call.layout] = self.compile(
                         graphs.make_pure(fn, call.layout),
                         donate_argnums=graphs.donated_positions(

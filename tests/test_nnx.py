@@ -195,3 +195,17 @@ def test_a_forgotten_compute_average_loss_is_pointed_out():
         warnings.simplefilter("error")
         repl.run(ported_step, *objects, batch)
         repl.compile(tutorial_step_with_mean)(*objects, batch)  # global view: mean is right
+
+
+def test_objects_placed_on_other_devices_are_named():
+    repl = rp.Replicator(devices=jax.devices()[:4])
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    model.kernel.set_value(jax.device_put(model.kernel.get_value(), jax.devices()[7]))
+
+    def step(model, x):
+        return jnp.sum(model(x))
+
+    x = repl.shard_batch(np.ones((4, 2), np.float32))
+    for call in (repl.run, lambda f, *a: repl.compile(f)(*a)):
+        with pytest.raises(ValueError, match=r"args\[0\]\.kernel.*\[7\].*repl.replicate"):
+            call(step, model, x)
