@@ -13,13 +13,18 @@ replicator (docs/guide.md, "Reading a checkpoint with Orbax alone"):
   own item, read by the best-N retention).
 
 Orbax writes each step into a temporary directory and renames it when complete,
-so a checkpoint torn by a crash is never listed. Restores always go through an
+so a checkpoint torn by a crash is never listed. A listed step that cannot be
+read (a bad disk, a truncated copy) is skipped for the newest readable one and,
+unless read-only, moved aside to ``<directory>.corrupt/<step>``: nothing is
+deleted, and the step can be saved again. Restores always go through an
 abstract target carrying the *current* Replicator's shardings, never the saved
 ones, so a checkpoint written on 8 devices restores on 1 or 3.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import array_metadata_store
 
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
 
 PyTree = Any
 log = logging.getLogger("replicator")
+_BARRIERS = itertools.count()  # every process moves the same steps aside, in the same order
 
 
 class CheckpointMismatchError(ValueError):
@@ -69,7 +76,8 @@ class Checkpoints:
       best_metric: the metric that ranks checkpoints, e.g. ``"accuracy"``.
       best_mode: ``"max"`` or ``"min"``.
       async_save: write in a background thread; False makes `save` block.
-      read_only: open for restoring only (never creates, writes or deletes).
+      read_only: open for restoring only (never creates, writes, moves or
+        deletes).
 
     Example (a custom loop saves, then resumes from the newest step):
 
@@ -106,8 +114,10 @@ class Checkpoints:
             raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.repl = repl
+        self.read_only = read_only
         self.restored_step: int | None = None
         self._keep_best = keep_best
+        self._json: dict[int, dict[str, Any]] = {}  # step -> its JSON items, read with the state
         policies = [checkpoint_managers.LatestN(n=keep)]
         if keep_best:
             policies.append(
@@ -123,16 +133,18 @@ class Checkpoints:
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
+            save_interval_steps=0 if read_only else 1,  # Orbax warns unless it is 0
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-                "data": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler(),
-            },
-        )
+        with _without_read_only_notice():
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+                    "data": ocp.JsonCheckpointHandler(),
+                    "config": ocp.JsonCheckpointHandler(),
+                },
+            )
         if async_save and not read_only:
             # A script that ends right after `save` would lose the checkpoint: at
             # exit Python refuses the thread-pool work Orbax's writer still needs.
@@ -180,7 +192,10 @@ class Checkpoints:
         The arrays are copied off the devices, then written in a background
         thread; the next `save`, `wait` or `close` waits for that write first
         and raises its error if it failed. Retention (``keep``, ``keep_best``)
-        deletes older checkpoints once the new one is finalized.
+        deletes older checkpoints once the new one is finalized. A checkpoint
+        that already exists for ``step`` (say, a custom loop restarted from an
+        earlier step) is moved to ``<directory>.replaced/<step>`` with a
+        warning, never written over in place nor deleted.
 
         Args:
           step: the checkpoint's step number (its directory name).
@@ -206,6 +221,10 @@ class Checkpoints:
         self._manager.check_for_errors()
         if self._keep_best:
             self._manager.reload()
+        if step in self._manager.all_steps() or self._step_path(step).exists():
+            moved = self._move_aside(step, "replaced")
+            log.warning("Checkpoint step %d already existed; moved it to %s.", step, moved)
+        self._json.pop(step, None)
         items = {"state": ocp.args.PyTreeSave(_without_marks(state))}
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(data_state)
@@ -252,9 +271,11 @@ class Checkpoints:
           like: the state to restore into: concrete arrays, or abstract ones
             (``jax.eval_shape`` output, `jax.ShapeDtypeStruct` with or without
             a sharding). Its values are never read.
-          step: which checkpoint; None means the newest readable one (an
-            unreadable newest checkpoint is skipped with a warning naming it).
-            The step read is left in ``self.restored_step``.
+          step: which checkpoint; None means the newest readable one: an
+            unreadable newer checkpoint is skipped with one warning line naming
+            it and, unless ``read_only``, moved to ``<directory>.corrupt/<step>``
+            (kept for inspection; the step can then be saved again). The step
+            read is left in ``self.restored_step``.
           strict: with ``step=None``, fail on an unreadable checkpoint instead
             of falling back to the previous one.
           partial: ``like`` names only part of the saved state, e.g.
@@ -282,19 +303,24 @@ class Checkpoints:
             args = ocp.args.PyTreeRestore(
                 target, restore_args=_restore_args(target), partial_restore=partial
             )
-            return self._read(step, state=args)["state"]
+            state = self._read(step, state=args)["state"]
+            self._read_json(step)  # a step is readable only if all of it is
+            return state
 
         return _marked_like(self._restore_readable(step, read, strict), like)
 
     def saved_data_state(self, step: int) -> Any:
         """The ``data_state`` saved with ``step``, or None if it was saved without one."""
-        if not os.path.isdir(os.path.join(self.directory, str(step), "data")):
-            return None
-        return self._read(step, data=ocp.args.JsonRestore())["data"]
+        return self._read_json(step).get("data")
 
     def saved_config(self, step: int) -> dict:
         """The ``config`` saved with ``step``."""
-        return self._read(step, config=ocp.args.JsonRestore())["config"]
+        items = self._read_json(step)
+        if "config" not in items:
+            raise CorruptCheckpointError(
+                f"Checkpoint at step {step} in {self.directory} has no config/ item"
+            )
+        return items["config"]
 
     def write_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Attaches eval metrics to an existing checkpoint (a sidecar evaluator's results).
@@ -366,17 +392,57 @@ class Checkpoints:
             raise FileNotFoundError(
                 f"No readable checkpoint in {self.directory}; available steps: none."
             )
+        unreadable = []
         for index in reversed(range(len(available))):
             try:
                 result = read(available[index])
             except CorruptCheckpointError as e:
                 if strict or index == 0:
                     raise
-                log.warning("%s; falling back to step %d.", e, available[index - 1])
+                unreadable.append((available[index], e))
                 continue
             self.restored_step = available[index]
+            for bad, error in unreadable:
+                self._set_aside_unreadable(bad, error, instead=available[index])
             return result
         raise AssertionError("unreachable")
+
+    def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int) -> None:
+        """Warns, in one line, of an unreadable step and moves it out of the way."""
+        if self.read_only:
+            log.warning("%s; restored step %d instead.", error, instead)
+            return
+        moved = self._move_aside(step, "corrupt")
+        log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
+
+    def _step_path(self, step: int) -> epath.Path:
+        return epath.Path(self.directory) / str(step)
+
+    def _move_aside(self, step: int, reason: str) -> str:
+        """Moves step's directory to ``<directory>.<reason>/<step>`` (a fresh name if
+        taken) on process 0, and forgets it, so that the step can be saved again."""
+        aside = epath.Path(f"{self.directory}.{reason}")
+        target, n = aside / str(step), 0
+        if jax.process_index() == 0:
+            while target.exists():
+                n += 1
+                target = aside / f"{step}.{n}"
+            aside.mkdir(parents=True, exist_ok=True)
+            self._step_path(step).rename(target)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"replicator_aside_{step}_{next(_BARRIERS)}")
+        self._json.pop(step, None)
+        self._manager.reload()
+        return str(target)
+
+    def _read_json(self, step: int) -> dict[str, Any]:
+        """The JSON items (``data``, ``config``) that ``step`` has, read once."""
+        if step not in self._json:
+            self._manager.wait_until_finished()  # a save of this step may be in flight
+            present = [n for n in ("data", "config") if (self._step_path(step) / n).is_dir()]
+            items = {name: ocp.args.JsonRestore() for name in present}
+            self._json[step] = dict(self._read(step, **items)) if items else {}
+        return self._json[step]
 
     def _read(self, step: int, **items) -> Any:
         try:
@@ -399,7 +465,7 @@ class Checkpoints:
             ) from e
         if saved is None:
             raise CorruptCheckpointError(
-                f"Checkpoint at step {step} in {self.directory} has no state/ item."
+                f"Checkpoint at step {step} in {self.directory} has no state/ item"
             )
         problems = _mismatches(_shapes(saved), _shapes(target), partial=partial)
         if problems:
@@ -466,7 +532,22 @@ def _mismatches(saved: dict[str, tuple], expected: dict[str, tuple], *, partial:
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
-    return text.splitlines()[0][:500] if text else repr(error)
+    return text.splitlines()[0][:300] if text else repr(error)
+
+
+@contextlib.contextmanager
+def _without_read_only_notice():
+    """Drops the warning Orbax logs for every read-only manager (it is the intent)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(keep)
 
 
 def _restore_args(target: PyTree) -> PyTree:

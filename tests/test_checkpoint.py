@@ -6,7 +6,9 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -119,6 +121,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, digits_data_dir, uni
     assert code == 0, err[-3000:]
     assert "Resumed from step" in err
     assert_same_run(workdir, uninterrupted)
+    # Each step once in TensorBoard, with or without its restart rule, as if never killed.
+    want = tensorboard_scalars(uninterrupted / "tensorboard")["train/loss"]
+    assert [s for s, _ in want] == list(range(25, 301, 25))
+    for purge in (True, False):
+        assert tensorboard_scalars(workdir / "tensorboard", purge=purge)["train/loss"] == want
 
 
 def test_sigterm_saves_exits_zero_and_resumes(tmp_path, digits_data_dir, uninterrupted):
@@ -327,10 +334,117 @@ def test_truncated_checkpoint_falls_back_or_fails_strictly(tmp_path, caplog):
     assert ckpt.restored_step == 1
     np.testing.assert_array_equal(restored.params["dense"]["kernel"], 1.0)
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "replicator"]
-    assert "step 2" in warning and "falling back to step 1" in warning
+    assert "step 2" in warning and "restored step 1 instead" in warning
     assert "\n" not in warning
     with pytest.raises(ckpt_lib.CorruptCheckpointError, match="step 2"):
         ckpt.restore(like=state, strict=True)
+
+
+def garble(directory):
+    """Overwrites every file under ``directory`` with random bytes; returns what it wrote."""
+    written = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            written[path.relative_to(directory)] = os.urandom(max(path.stat().st_size, 16))
+            path.write_bytes(written[path.relative_to(directory)])
+    return written
+
+
+DAMAGE = {
+    "garbage state": lambda step: garble(step / "state"),
+    "garbage everything": garble,
+    "garbage iterator state": lambda step: garble(step / "data"),
+    "no state": lambda step: shutil.rmtree(step / "state"),
+    "empty": lambda step: [shutil.rmtree(step), step.mkdir()],
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_unreadable_newest_checkpoint_is_set_aside_and_its_step_saved_again(
+    tmp_path, caplog, damage
+):
+    directory = tmp_path / "checkpoints"
+    state = save_steps(directory, [(1, None), (2, None)])
+    DAMAGE[damage](directory / "2")
+    damaged = {p.relative_to(directory / "2"): p.read_bytes()
+               for p in (directory / "2").rglob("*") if p.is_file()}  # fmt: skip
+
+    ckpt = reader(directory)  # read-only (eval): skips it, moves nothing
+    ckpt.restore(like=state)
+    assert ckpt.restored_step == 1 and (directory / "2").is_dir()
+
+    caplog.clear()
+    ckpt = rp.Checkpoints(directory, rp.Replicator())
+    restored = ckpt.restore(like=state)
+    assert ckpt.restored_step == 1 and ckpt.saved_data_state(1) == {"iterator": "{}"}
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "replicator"]
+    assert "step 2" in warning and "\n" not in warning
+    assert f"moved it to {tmp_path}/checkpoints.corrupt/2 and restored step 1" in warning
+    moved = tmp_path / "checkpoints.corrupt" / "2"
+    assert {p: (moved / p).read_bytes() for p in damaged} == damaged  # kept as it was
+    assert ckpt.all_steps() == [1]
+
+    ckpt.save(2, restored, {"iterator": "{}"})  # the redone step: no StepAlreadyExistsError
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.restore(like=state)
+    assert ckpt.restored_step == 2
+    ckpt.close()
+
+
+def test_saving_a_step_that_exists_moves_the_old_one_aside(tmp_path, caplog):
+    directory = tmp_path / "checkpoints"
+    state = save_steps(directory, [(1, None), (2, None)])
+    ckpt = rp.Checkpoints(directory, rp.Replicator())
+    restarted = ckpt.restore(like=state, step=1)  # a custom loop going back to step 1
+    restarted = restarted.replace(params=jax.tree.map(lambda x: x + 5, restarted.params))
+    ckpt.save(2, restarted)
+    ckpt.wait()
+    np.testing.assert_array_equal(ckpt.restore(like=state).params["dense"]["kernel"], 6.0)
+    assert any("moved it to" in r.getMessage() for r in caplog.records)
+    old = reader(tmp_path / "checkpoints.replaced")
+    np.testing.assert_array_equal(old.restore(like=state).params["dense"]["kernel"], 1.0)
+    ckpt.close()
+
+
+def tensorboard_scalars(directory, *, purge=True):
+    """``{tag: [(step, value), ...]}`` as TensorBoard's Python loader reads an event
+    directory: files in name order, and a ``SessionLog.START`` event at step s (a
+    restart) purges every event of steps >= s read before it. ``purge=False`` reads
+    the records as they are (a loader that knows no restarts)."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    scalars = {}
+    for path in sorted(directory.iterdir()):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            if purge and event.session_log.status == SessionLog.START:
+                for tag, points in scalars.items():
+                    scalars[tag] = [(s, v) for s, v in points if s < event.step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_shows_each_step_once_after_restarts(tmp_path):
+    from replicator.trainer.writers import MetricWriter
+
+    def run(resume_step, steps, value):
+        writer = MetricWriter(str(tmp_path), resume_step=resume_step)
+        for step in steps:
+            writer.write(step, {"loss": value + step})
+        # Killed: nothing closed; what was written is flushed record by record.
+
+    run(0, range(1, 7), 100)  # killed before the first checkpoint...
+    run(0, range(1, 5), 200)  # ...so started afresh, and killed after checkpoint 2
+    run(2, range(3, 9), 300)  # resumed from step 2, to the end
+    want = [(1, 201), (2, 202), *((s, 300 + s) for s in range(3, 9))]
+    assert tensorboard_scalars(tmp_path / "tensorboard") == {"train/loss": want}
+    assert tensorboard_scalars(tmp_path / "tensorboard", purge=False) == {"train/loss": want}
+    assert [r["step"] for r in read_records(tmp_path)] == list(range(1, 9))
 
 
 def test_mismatched_like_lists_paths_and_both_shapes(tmp_path):

@@ -7,6 +7,7 @@ over real examples, and the sums are added up on the devices and fetched once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from replicator.checkpoint import Checkpoints, CorruptCheckpointError
+from replicator.trainer import config as config_lib
 from replicator.trainer import data
 from replicator.trainer.setup import Run, setup
 from replicator.trainer.writers import MetricWriter
@@ -47,11 +49,36 @@ def evaluate_split(run: Run, eval_state: Any) -> dict[str, Any]:
     return {**run.experiment.summarize(sums), "num_examples": count}
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict | None:
+    """The config a training run saved in ``WORKDIR/config.json``, or None if there is none.
+
+    Every key is overridable as in a config file: keys saved as None keep the type
+    of their `config_lib.base_config` placeholder.
+    """
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    config = config_lib.base_config()
+    for key, value in saved.items():
+        if value is not None or key not in config:
+            config[key] = value
+    return config
+
+
 class Evaluator:
     """Restores what eval needs from a run's checkpoints and evaluates it exactly."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, devices=None):
-        self.run = setup(config, devices=devices)
+    def __init__(self, config: ml_collections.ConfigDict | None, workdir: str, *, devices=None):
+        if config is None:
+            config = run_config(workdir)
+            if config is None:
+                raise FileNotFoundError(
+                    f"{os.path.join(workdir, 'config.json')} does not exist; pass the "
+                    "training config."
+                )
+        self.run = setup(config, devices=devices, training=False)
         self.config = self.run.config
         self.checkpoints = Checkpoints(
             os.path.join(workdir, "checkpoints"), self.run.repl, read_only=True
@@ -72,7 +99,7 @@ class Evaluator:
 
 
 def evaluate(
-    config: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict | None,
     workdir: str,
     *,
     step: int | None = None,
@@ -82,7 +109,8 @@ def evaluate(
     """Restores a checkpoint of ``workdir`` onto the current devices and evaluates it.
 
     Args:
-      config: the training config (data, model and mesh keys matter).
+      config: the training config (data, model and mesh keys matter); None uses
+        the run's own (`run_config`).
       workdir: the training run's directory.
       step: which checkpoint; by default the newest readable one.
       devices: the devices to evaluate on (default: all), whatever trained it.
@@ -99,7 +127,7 @@ def evaluate(
 
 
 def follow(
-    config: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict | None,
     workdir: str,
     *,
     devices=None,
@@ -107,10 +135,10 @@ def follow(
 ) -> list[dict[str, Any]]:
     """A sidecar evaluator: evaluates every new checkpoint in ``workdir`` as it appears.
 
-    Results go to ``metrics.jsonl`` (``"sidecar": true``) and are attached to the
-    checkpoint, where the training run's best-N retention finds them. Stops after
-    the checkpoint of the final step, or when no new checkpoint came for
-    ``timeout_s`` seconds.
+    ``config`` is as for `evaluate`. Results go to ``metrics.jsonl``
+    (``"sidecar": true``) and are attached to the checkpoint, where the training
+    run's best-N retention finds them. Stops after the checkpoint of the final
+    step, or when no new checkpoint came for ``timeout_s`` seconds.
 
     Returns:
       The eval records, oldest first.

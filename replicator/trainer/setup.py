@@ -72,7 +72,6 @@ class Run:
     def train_iterator(self) -> data.TrainIterator:
         """This process's stream of training batches; decoding starts now, on threads."""
         config = self.config
-        _check_divisible("batch_size", config.batch_size, self.repl)
         source = data.load_data_source(
             config.dataset, config.train_split, data_dir=config.data_dir, fill_in_background=True
         )
@@ -98,8 +97,12 @@ class Run:
                 source.stop_filling()
 
 
-def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
-    """Validates ``config`` and builds the Replicator, experiment, steps and eval data."""
+def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = True) -> Run:
+    """Validates ``config`` and builds the Replicator, experiment, steps and eval data.
+
+    ``training=False`` (eval) skips the checks only training needs, such as the
+    train batch splitting over these devices.
+    """
     config = config_lib.validate(config)
     repl = Replicator(
         devices=devices,
@@ -119,6 +122,8 @@ def setup(config: ml_collections.ConfigDict, *, devices=None) -> Run:
             seed=config.seed,
         ),
     )
+    if training:
+        _check_divisible("batch_size", config.batch_size, repl)
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
         raise ValueError(
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "

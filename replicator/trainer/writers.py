@@ -1,9 +1,22 @@
-"""Metric records: ``WORKDIR/metrics.jsonl`` and TensorBoard events, process 0 only."""
+"""Metric records: ``WORKDIR/metrics.jsonl`` and TensorBoard events, process 0 only.
+
+A resumed run redoes the steps after its checkpoint. So that every history reads
+as if the run had never stopped, both are cut back to the checkpoint's step
+before anything is written: `metrics.jsonl` loses its later records, and the
+TensorBoard event files their later events (whatever loader reads them). Each run
+also starts its event file with TensorBoard's restart marker (``SessionLog.START``
+at the first step it writes), which TensorBoard's Python loader honours by
+purging later steps. Both files are written synchronously and flushed record by
+record, so a run killed at any moment has lost nothing it reported.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,10 +31,12 @@ class MetricWriter:
 
     Args:
       workdir: the run's directory.
-      resume_step: the step a resumed run restarts from. Records of later steps
-        (written before an interruption, and about to be redone) are dropped from
-        the JSONL file and purged from TensorBoard, so the history reads as if the
-        run had never stopped. None only appends (a sidecar evaluator).
+      resume_step: the step a run starts from (0 for a fresh run). Records of
+        later steps (written before an interruption, and about to be redone) are
+        dropped from the JSONL file and the TensorBoard event files, and a
+        restart marker at ``resume_step + 1`` begins the new event file, so the
+        history reads as if the run had never stopped. None only appends (a
+        sidecar evaluator).
       enabled: whether to write (default: on process 0 only).
     """
 
@@ -29,16 +44,15 @@ class MetricWriter:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = self._tensorboard = None
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
             os.makedirs(workdir, exist_ok=True)
             path = os.path.join(workdir, "metrics.jsonl")
+            events = os.path.join(workdir, "tensorboard")
             if resume_step is not None:
                 _drop_records_after(path, resume_step)
+                _drop_events_after(events, resume_step)
             self._jsonl = open(path, "a")
-            self._tensorboard = SummaryWriter(
-                os.path.join(workdir, "tensorboard"),
-                purge_step=resume_step + 1 if resume_step else None,
+            self._tensorboard = _EventFile(
+                events, restart_step=None if resume_step is None else resume_step + 1
             )
 
     def write(self, step: int, metrics: Mapping[str, Any], *, split: str | None = None) -> None:
@@ -49,15 +63,58 @@ class MetricWriter:
         record.update({k: _to_python(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key, value in record.items():
-            if key not in ("step", "split") and isinstance(value, int | float):
-                self._tensorboard.add_scalar(f"{split or 'train'}/{key}", value, int(step))
-        self._tensorboard.flush()
+        scalars = {
+            f"{split or 'train'}/{key}": value
+            for key, value in record.items()
+            if key not in ("step", "split") and isinstance(value, int | float)
+        }
+        self._tensorboard.write_scalars(int(step), scalars)
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tensorboard.close()
+
+
+class _EventFile:
+    """A TensorBoard event file of this run, written as records arrive (tensorboardX's
+    SummaryWriter queues them for a thread, which a kill -9 can lose).
+
+    Files are named ``events.out.tfevents.<seconds>.<host>.<nanoseconds>``: unique
+    even for runs started within one second, and in the order of the runs
+    (loaders read them in name order).
+    """
+
+    def __init__(self, directory: str, *, restart_step: int | None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(directory, exist_ok=True)
+        now = time.time_ns()
+        name = f"events.out.tfevents.{now // 10**9:010d}.{socket.gethostname()}.{now}"
+        self._file = open(os.path.join(directory, name), "ab")
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if restart_step is not None:
+            start = SessionLog(status=SessionLog.START)
+            self._write(Event(wall_time=time.time(), step=restart_step, session_log=start))
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+        self._write(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _write(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        crcs = struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data))
+        self._file.write(header + crcs[0] + data + crcs[1])
+        self._file.flush()
 
 
 def _drop_records_after(path: str, step: int) -> None:
@@ -78,6 +135,52 @@ def _drop_records_after(path: str, step: int) -> None:
         with open(tmp, "w") as f:
             f.writelines(keep)
         os.replace(tmp, path)
+
+
+def _drop_events_after(directory: str, step: int) -> None:
+    """Cuts every TensorBoard event file in ``directory`` back to the events of steps
+    <= ``step``, and drops a record torn by a crash."""
+    from google.protobuf.message import DecodeError
+    from tensorboardX.proto.event_pb2 import Event
+
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.startswith("events.out.tfevents") or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        keep = []
+        for raw, payload in _framed_records(data):
+            try:
+                event = Event.FromString(payload)
+            except DecodeError:
+                break  # garbled: nothing after it can be trusted
+            if event.step <= step:
+                keep.append(raw)
+        if sum(map(len, keep)) == len(data):
+            continue
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+
+
+def _framed_records(data: bytes):
+    """``(record, payload)`` for each TFRecord of ``data`` up to the first torn one: a
+    little-endian uint64 length, its masked CRC32C, the payload, the payload's CRC."""
+    from tensorboardX.record_writer import masked_crc32c
+
+    pos = 0
+    while pos + 12 <= len(data):
+        header = data[pos : pos + 8]
+        (header_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
+        end = pos + 12 + struct.unpack("<Q", header)[0] + 4
+        if end > len(data) or header_crc != masked_crc32c(header):
+            return
+        yield data[pos:end], data[pos + 12 : end - 4]
+        pos = end
 
 
 def _to_python(value: Any) -> Any:

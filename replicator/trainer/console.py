@@ -1,0 +1,132 @@
+"""What the terminal shows during ``train`` and ``eval``, and the log file for the rest.
+
+The terminal gets replicator's own lines: its log records, its warnings, the
+progress bar and the results. Everything else that the libraries underneath
+write (tfds' progress bars and notices, Orbax's and absl's logging, Python
+warnings, the C++ logs of XLA and TensorStore) goes to ``WORKDIR/log.txt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+from absl import logging as absl_logging
+
+
+class Console:
+    """Routes output for one command: replicator's to the terminal, the rest to a log.
+
+    The process's stderr (file descriptor 2, so C++ logs too) and ``sys.stdout``
+    are redirected into a log file: a temporary one until `log_to` names the
+    workdir's. With ``verbose`` nothing is redirected: the libraries print as
+    they would.
+
+    Args:
+      verbose: leave the libraries' output on the terminal.
+    """
+
+    def __init__(self, verbose: bool):
+        self.out, self.err = sys.stdout, sys.stderr
+        self._log = None
+        handler = logging.StreamHandler(self.err)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("replicator")
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's per-save INFO chatter
+        if verbose:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.err = os.fdopen(os.dup(2), "w", buffering=1, errors="replace")
+        handler.setStream(self.err)
+        self._log = tempfile.TemporaryFile("w+", buffering=1, errors="replace")
+        os.dup2(self._log.fileno(), 2)  # stderr, C++ included, now writes to the log
+        sys.stdout = _LogStream(self, terminal=self.out)
+        to_log = logging.StreamHandler(_LogStream(self, terminal=None))
+        to_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(to_log)
+        warnings.showwarning = self._show_warning
+        import rich
+
+        rich.reconfigure(file=self.out)  # the progress bar, on the terminal
+
+    def set_process(self, process_index: int) -> None:
+        """Only process 0 reports progress; the others show only warnings."""
+        if process_index:
+            logging.getLogger("replicator").setLevel(logging.WARNING)
+
+    def log_to(self, workdir: str, process_index: int, command: str, *, create: bool) -> None:
+        """Moves the log to ``WORKDIR/log.txt`` (``log.process_<i>.txt`` on process i > 0),
+        appending, with what was logged so far; only into an existing workdir unless
+        ``create``."""
+        if self._log is None or not (create or os.path.isdir(workdir)):
+            return
+        name = "log.txt" if process_index == 0 else f"log.process_{process_index}.txt"
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            log = open(os.path.join(workdir, name), "a", buffering=1, errors="replace")
+        except OSError as e:
+            logging.getLogger("replicator").warning("Cannot write a log in %s: %s", workdir, e)
+            return
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} python -m replicator {command}\n")
+        self._log.flush()
+        self._log.seek(0)
+        log.write(self._log.read())
+        log.flush()
+        os.dup2(log.fileno(), 2)
+        self._log.close()
+        self._log = log
+
+    def print(self, *values) -> None:
+        """A result, on the terminal's stdout."""
+        print(*values, file=self.out, flush=True)
+
+    def report(self, error: BaseException, *, summary: str | None) -> None:
+        """An error: its traceback in the log; on the terminal ``summary`` (one line), or
+        the traceback when None."""
+        text = "".join(traceback.format_exception(error))
+        self._write_log(text)
+        self.err.write(text if summary is None else summary + "\n")
+        self.err.flush()
+
+    def _write_log(self, text: str) -> None:
+        if self._log is not None:
+            self._log.write(text)
+
+    def _show_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        self._write_log(warnings.formatwarning(message, category, filename, lineno, line))
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") == "warnings":
+            frame = frame.f_back
+        caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+        if caller == "replicator" or caller.startswith("replicator."):
+            self.err.write(f"warning: {message}\n")  # the library's advice to the user
+
+
+class _LogStream:
+    """A text stream into the console's log; ``isatty`` answers for ``terminal``."""
+
+    def __init__(self, console: Console, *, terminal):
+        self._console, self._terminal = console, terminal
+
+    def write(self, text: str) -> int:
+        self._console._write_log(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._console._log is not None:
+            self._console._log.flush()
+
+    def isatty(self) -> bool:
+        return self._terminal is not None and self._terminal.isatty()
+
+    def fileno(self) -> int:
+        return self._console._log.fileno()

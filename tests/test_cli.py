@@ -1,0 +1,280 @@
+"""The command line as a new user meets it: help, one-line errors, corrupt checkpoints,
+eval's config, a quiet console. Each test runs ``python -m replicator`` in a
+subprocess on 2 fake CPU devices and the offline digits."""
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from replicator.trainer.config import describe_keys
+from tests.test_train import read_records
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = ["--config", "configs/digits_cnn.py:smoke"]
+
+
+def run_cli(*args, devices=2, env=None, stdout=subprocess.PIPE):
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "REPLICATOR_DEBUG"},
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "replicator", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
+
+
+def lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def assert_one_line_error(done, *expected):
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = lines(done.stderr)  # nothing else: no traceback, no library noise
+    assert line.startswith("error: ")
+    for text in expected:
+        assert text in line, line
+
+
+@pytest.fixture(scope="module")
+def fresh_data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fresh_tfds"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, fresh_data_dir):
+    """A smoke run with a model override, in a data_dir that tfds prepares on the way."""
+    workdir = str(tmp_path_factory.mktemp("cli") / "run")
+    done = run_cli(
+        "train", *SMOKE, "--workdir", workdir, f"--config.data_dir={fresh_data_dir}",
+        "--config.model.dense_features=32",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir, done, f"--config.data_dir={fresh_data_dir}"
+
+
+# ---- Help
+
+
+def test_help_lists_the_subcommands():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    for command in ("train", "eval", "plot", "launch"):
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith(f"  {command} ")]
+        assert len(line.split()) > 3  # a one-line description
+    assert_one_line_error(run_cli("trian"), "unknown command 'trian'", "did you mean 'train'")
+
+
+def test_train_and_eval_help_list_flags_and_every_config_key():
+    for command, flags in [
+        ("train", ["--config", "--workdir", "--[no]quiet", "--[no]force", "--[no]debug"]),
+        ("eval", ["--config", "--workdir", "--step", "--[no]follow", "--[no]verbose"]),
+    ]:
+        done = run_cli(command, "--help")
+        assert done.returncode == 0, done.stderr
+        for flag in flags:
+            assert re.search(rf"^  {re.escape(flag)} +\S", done.stdout, re.M), flag
+        for key, default, meaning in describe_keys():
+            assert re.search(
+                rf"^  {key} +{re.escape(default)} +{re.escape(meaning)}$", done.stdout, re.M
+            ), key
+    done = run_cli("launch", "--help")
+    assert done.returncode == 0 and all(k in done.stdout for k in ("local", "tpu", "slurm"))
+
+
+def test_help_with_a_config_shows_its_values():
+    done = run_cli("train", *SMOKE, "--config.batch_size=32", "--help")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^  batch_size +\(required\) +32 +global batch", done.stdout, re.M)
+    assert re.search(r"^  num_train_steps +\(required\) +4 ", done.stdout, re.M)
+    assert re.search(r"^  model.dense_features +64$", done.stdout, re.M)
+
+
+# ---- One-line errors
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config.learnin_rate=0.1"], ["unknown config key 'learnin_rate'", "'learning_rate'"]),
+        (["--config.model.num_clases=3"], ["'model.num_clases'", "'model.num_classes'"]),
+        (["--config.batch_size=abc"], ["--config.batch_size=abc", "invalid literal for int"]),
+        (["--config.precision=fp8"], ["'precision'='fp8' is not one of"]),
+    ],
+)
+def test_config_mistakes_are_one_line_and_touch_nothing(tmp_path, args, expected):
+    workdir = tmp_path / "run"
+    assert_one_line_error(run_cli("train", *SMOKE, "--workdir", str(workdir), *args), *expected)
+    assert not workdir.exists()
+
+
+def test_missing_config_file_and_flags_are_one_line(tmp_path):
+    workdir = str(tmp_path / "run")
+    done = run_cli("train", "--config", "configs/nope.py", "--workdir", workdir)
+    assert_one_line_error(done, "config file 'configs/nope.py' does not exist")
+    done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.learnin_rate=1",
+                   env={"REPLICATOR_DEBUG": "1"})  # fmt: skip
+    assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
+    assert_one_line_error(run_cli("train", *SMOKE), "--workdir is required")
+    assert_one_line_error(run_cli("eval", "--workdir", workdir), "config.json does not exist")
+
+
+def test_mistakes_in_batch_and_mesh_then_a_corrected_run_succeeds(tmp_path, digits_data_dir):
+    common = ["train", *SMOKE, "--workdir", str(tmp_path), f"--config.data_dir={digits_data_dir}"]
+    done = run_cli(*common, "--config.batch_size=33", "--config.eval_every_steps=4")
+    assert_one_line_error(done, "batch_size=33", "2 replicas", "multiple of 2")
+    assert_one_line_error(run_cli(*common, "--config.mesh.data=3"), "3 devices but 2")
+    done = run_cli(*common, "--config.mesh.data=3", "--debug")
+    assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
+    done = run_cli(*common, "--config.batch_size=32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Final test metrics after 4 steps" in done.stdout
+
+
+def test_a_workdir_of_another_experiment_is_refused_unless_forced(trained):
+    workdir, _, data_dir = trained
+    common = ["train", *SMOKE, "--workdir", workdir, data_dir, "--config.num_train_steps=6"]
+    done = run_cli(*common)
+    assert_one_line_error(done, "another experiment", "model.dense_features: 32 -> 64", "--force")
+    done = run_cli(*common, "--force")
+    # Forced onto the checkpoints of the other model: they do not fit, said in one line.
+    assert_one_line_error(done, "does not fit", "saved shape (256, 32), expected (256, 64)")
+
+
+def test_a_bug_keeps_its_traceback(tmp_path, digits_data_dir):
+    (tmp_path / "buggy_experiment.py").write_text(
+        "def make_experiment(settings):\n    return 1 / 0\n"
+    )
+    done = run_cli(
+        "train", *SMOKE, "--workdir", str(tmp_path / "run"),
+        f"--config.data_dir={digits_data_dir}", "--config.experiment=buggy_experiment",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ZeroDivisionError" in done.stderr
+
+
+# ---- eval uses the run's config
+
+
+def test_eval_uses_the_runs_saved_config(trained):
+    workdir, _, _ = trained  # trained with --config.model.dense_features=32
+    done = run_cli("eval", "--workdir", workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["step"] == 4 and result["num_examples"] == 360
+    assert f"{workdir}/config.json" in done.stderr
+    done = run_cli("eval", *SMOKE, "--workdir", workdir, "--config.eval_split=train")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["num_examples"] == 1437  # the override, on the run's config
+    assert f"{workdir}/config.json with --config.eval_split=train" in done.stderr
+    assert "model.dense_features" in done.stderr  # where the given file differs, not used
+
+
+# ---- Corrupt checkpoints
+
+
+def test_a_garbage_checkpoint_is_skipped_set_aside_and_redone(tmp_path, trained):
+    source, _, data_dir = trained
+    workdir = tmp_path / "run"
+    subprocess.run(["cp", "-r", source, str(workdir)], check=True)
+    state = workdir / "checkpoints" / "4" / "state"
+    garbage = {}
+    for path in state.rglob("*"):
+        if path.is_file():
+            garbage[path.relative_to(state)] = os.urandom(max(path.stat().st_size, 16))
+            path.write_bytes(garbage[path.relative_to(state)])
+
+    done = run_cli("eval", "--workdir", str(workdir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["step"] == 2
+    (warning,) = [x for x in lines(done.stderr) if "step 4" in x]
+    assert "unreadable" in warning and "restored step 2 instead" in warning
+    assert state.is_dir()  # eval is read-only: nothing moved
+
+    done = run_cli(
+        "train", "--workdir", str(workdir), *SMOKE, data_dir, "--config.model.dense_features=32"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [x for x in lines(done.stderr) if "step 4" in x and "unreadable" in x]
+    assert "checkpoints.corrupt/4" in warning and "restored step 2 instead" in warning
+    assert "Resumed from step 2" in done.stderr
+    assert "Final test metrics after 4 steps" in done.stdout
+    kept = workdir / "checkpoints.corrupt" / "4" / "state"
+    assert {p: (kept / p).read_bytes() for p in garbage} == garbage  # moved, not deleted
+    steps = [r["step"] for r in read_records(workdir) if "split" not in r]
+    assert steps == sorted(set(steps))
+    done = run_cli("eval", "--workdir", str(workdir))
+    assert json.loads(done.stdout)["step"] == 4 and "unreadable" not in done.stderr
+
+
+# ---- A quiet console
+
+
+def test_a_plain_run_shows_only_replicators_lines(trained):
+    workdir, done, _ = trained  # tfds prepared the data set during this run
+    assert "Final test metrics after 4 steps" in done.stdout
+    shown = lines(done.stderr)
+    assert shown[0].startswith("experiments.classify on Replicator(")
+    assert any(x.startswith("step 4  test loss") for x in shown)
+    assert shown[-2].startswith("wall time:") and "FLOP per step" in shown[-1]
+    for noise in ("Downloading", "Generating", "Shuffling", "dataset_info", "W1", "WARNING"):
+        assert noise not in done.stderr + done.stdout, noise
+    log = open(os.path.join(workdir, "log.txt")).read()
+    assert "Downloading and preparing dataset" in log  # hidden, not lost
+    assert "step 4  test loss" in log
+
+
+def test_eval_is_quiet_and_verbose_shows_the_libraries(tmp_path, trained):
+    workdir, _, _ = trained
+    for verbose in (False, True):
+        fresh = f"--config.data_dir={tmp_path / str(verbose)}"  # eval prepares the data there
+        done = run_cli("eval", "--workdir", workdir, fresh, *["--verbose"] * verbose)
+        assert done.returncode == 0, done.stderr[-3000:]
+        prepared = "Downloading and preparing dataset" in done.stdout + done.stderr
+        assert prepared == verbose
+        if not verbose:  # no Orbax read-only notices, no tfds: only which config was used
+            assert lines(done.stderr) == [
+                f"eval: the run's config {workdir}/config.json with {fresh}"
+            ]
+
+
+def test_progress_bar_on_a_terminal(tmp_path, digits_data_dir):
+    main, child = pty.openpty()
+    output = []
+    reader = threading.Thread(target=_drain, args=(main, output), daemon=True)
+    reader.start()
+    done = run_cli(
+        "train", *SMOKE, "--workdir", str(tmp_path), f"--config.data_dir={digits_data_dir}",
+        stdout=child,
+    )  # fmt: skip
+    os.close(child)
+    reader.join(timeout=10)
+    terminal = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(output).decode(errors="replace"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"train .* 4/4 ", terminal), terminal  # rich's bar: "train ━━━ 4/4 ..."
+    assert "Final test metrics after 4 steps" in terminal
+
+
+def _drain(fd, output):
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return
+        if not chunk:
+            return
+        output.append(chunk)
