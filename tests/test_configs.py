@@ -40,7 +40,7 @@ def read_records(workdir: pathlib.Path) -> list[dict]:
 def test_configs_exist():
     names = {path.stem for path in CONFIG_PATHS}
     assert {"digits_cnn", "mnist_cnn", "fashion_mnist_cnn", "cifar10_cnn"} <= names
-    assert {"cifar10_resnet", "lm_tiny", "lm_gpt2_124m", "lm_1b"} <= names
+    assert {"cifar10_resnet", "lm_tiny", "lm_gpt2_124m", "lm_1b", "gan_digits"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIG_PATHS, ids=lambda path: path.stem)
