@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 
@@ -133,6 +133,18 @@ def replica_key(key: jax.Array) -> jax.Array:
     if ctx is None:
         return key
     return jax.random.fold_in(key, ctx.replica_id)
+
+
+def varying_axes(x: jax.Array, axes: Sequence[str]) -> tuple[str, ...]:
+    """Which of ``axes`` ``x`` varies over, as JAX types it inside ``shard_map``."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    return tuple(a for a in axes if a in varying)
+
+
+def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """``x`` typed as varying over every one of ``axes`` (a no-op where it already is)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 _MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("microbatches", default=1)

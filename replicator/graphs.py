@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from replicator.context import get_replica_context
+from replicator.context import get_replica_context, vary, varying_axes
 
 PyTree = Any
 
@@ -202,10 +202,10 @@ def _agree_across_replicas(nodes, variables, before, axes, names) -> None:
         if path in additive:
             # Each replica counted its own examples: totals and counts add up, even
             # where the increments happen to be equal (a count from a static shape).
-            delta = _vary(value - before[path], axes)
+            delta = vary(value - before[path], axes)
             var.set_value(before[path] + jax.lax.psum(delta, axes))
             continue
-        if not _varying(value, axes):
+        if not varying_axes(value, axes):
             continue
         name = ".".join([names[path[0]], *(str(p) for p in path[1:])])
         raise ValueError(
@@ -216,12 +216,3 @@ def _agree_across_replicas(nodes, variables, before, axes, names) -> None:
             "(repl.reduce inside the step); keep other per-replica state out of the objects "
             "and return it (per-replica outputs round-trip)."
         )
-
-
-def _varying(x: jax.Array, axes) -> bool:
-    return bool(set(jax.typeof(x).manual_axis_type.varying) & set(axes))
-
-
-def _vary(x: jax.Array, axes) -> jax.Array:
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

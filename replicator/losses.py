@@ -12,7 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from replicator.context import get_replica_context, note_global_batch_loss, num_microbatches
+from replicator.context import (
+    get_replica_context,
+    note_global_batch_loss,
+    num_microbatches,
+    vary,
+)
 
 
 def compute_average_loss(
@@ -108,9 +113,5 @@ def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
     ctx = get_replica_context()
     if ctx is None:
         return total
-    varying = jax.typeof(total).manual_axis_type.varying
-    axes = tuple(a for a in ctx.axis_name if a in varying)
-    missing = tuple(a for a in ctx.axis_name if a not in varying)
-    if missing:  # a replica-invariant value is counted once per replica
-        total = jax.lax.pcast(total, missing, to="varying")
-    return jax.lax.psum(total, axes + missing)
+    # A replica-invariant value is counted once per replica.
+    return jax.lax.psum(vary(total, ctx.axis_name), ctx.axis_name)

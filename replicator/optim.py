@@ -17,12 +17,7 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from replicator.context import warn_if_loss_not_averaged
-
-
-def _varying_axes(x: jax.Array, axis_names: Sequence[str]) -> tuple[str, ...]:
-    varying = jax.typeof(x).manual_axis_type.varying
-    return tuple(name for name in axis_names if name in varying)
+from replicator.context import varying_axes, warn_if_loss_not_averaged
 
 
 def sum_across_replicas(tree, axis_names: Sequence[str]):
@@ -37,7 +32,7 @@ def sum_across_replicas(tree, axis_names: Sequence[str]):
     """
 
     def reduce_leaf(x):
-        axes = _varying_axes(x, axis_names)
+        axes = varying_axes(x, axis_names)
         return jax.lax.psum(x, axes) if axes else x
 
     return jax.tree.map(reduce_leaf, tree)

@@ -40,6 +40,8 @@ from replicator.context import (
     global_view,
     in_global_view,
     replica_context,
+    vary,
+    varying_axes,
 )
 from replicator.mesh import DATA_AXES, build_mesh
 from replicator.per_replica import Kind, PerReplica
@@ -526,7 +528,7 @@ class Replicator:
 
             def probe(*flat):
                 leaves, found["tree"] = call(*flat)
-                found["varying"] = [_is_varying(x, axes) for x in leaves]
+                found["varying"] = [bool(varying_axes(x, axes)) for x in leaves]
                 return ()
 
             try:
@@ -604,7 +606,7 @@ class Replicator:
         if ctx is not None:
             collective = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
             axes = ctx.axis_name
-            return jax.tree.map(lambda x: collective(_vary(x, axes), axes), value)
+            return jax.tree.map(lambda x: collective(vary(x, axes), axes), value)
         if in_global_view():
             return value
 
@@ -811,17 +813,8 @@ def _leaf_path(args: tuple, index: int) -> str:
     return "args" + jax.tree_util.keystr(path)
 
 
-def _is_varying(x: Any, axes: Sequence[str]) -> bool:
-    return bool(set(jax.typeof(x).manual_axis_type.varying) & set(axes))
-
-
-def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _stack(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-    return _vary(jnp.asarray(x), axes)[None]
+    return vary(jnp.asarray(x), axes)[None]
 
 
 def _in_global_view(fn: Callable, mesh: jax.sharding.AbstractMesh) -> Callable:

@@ -532,18 +532,6 @@ def gather_shards(tree: PyTree, specs: PyTree) -> PyTree:
     return jax.tree.map(gather, tree, jax.tree.broadcast(specs, tree, is_leaf=_is_spec))
 
 
-def take_shards(tree: PyTree, specs: PyTree) -> PyTree:
-    """Inside `jax.shard_map`: each whole leaf -> this device's shard (no communication)."""
-
-    def take(x, spec):
-        for dim, axes in enumerate(_as_axes(e) for e in spec):
-            if axes:
-                x = _local_slice(x, axes, dim)
-        return x
-
-    return jax.tree.map(take, tree, jax.tree.broadcast(specs, tree, is_leaf=_is_spec))
-
-
 def reduce_scatter_grads(
     grads: PyTree, specs: PyTree, replica_axes: Sequence[str] = DATA_AXES
 ) -> PyTree:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator.context import get_replica_context, microbatching
+from replicator.context import get_replica_context, microbatching, vary
 from replicator.precision import LossScale, Policy, get_policy
 
 PyTree = Any
@@ -222,7 +222,7 @@ def _accumulate(grad_fn, params, batch, k):
     if ctx is not None:
         # Per-replica gradients: sum locally over the microbatches and all-reduce once,
         # instead of once per microbatch.
-        params = jax.tree.map(lambda p: _vary(p, ctx.axis_name), params)
+        params = jax.tree.map(lambda p: vary(p, ctx.axis_name), params)
     with microbatching(k):
         first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
 
@@ -248,8 +248,3 @@ def _accumulate(grad_fn, params, batch, k):
     if ctx is not None:
         grads = jax.lax.psum(grads, ctx.axis_name)
     return grads, (loss, new_state, aux)
-
-
-def _vary(x: jax.Array, axes) -> jax.Array:
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

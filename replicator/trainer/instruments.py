@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import sys
@@ -12,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from replicator import sharding
 
 log = logging.getLogger("replicator")
 
@@ -166,7 +167,7 @@ def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: b
         record[f"{unit}_per_sec"] = steps * per_step / wall["total"]
         record["goodput"] = watch.totals.get("compute", 0.0) / wall["total"]
     if state is not None:
-        record["state_bytes_per_device"] = state_bytes_per_device(state)
+        record["state_bytes_per_device"] = sharding.bytes_per_device(state)
     if completed and steps > 1 and end.batch is not None and jax.process_index() == 0:
         record |= _utilization(run, state, end.batch, steps - 1, watch)
     log.info("wall time: %s", ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()))
@@ -178,22 +179,6 @@ def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: b
             record["peak_source"],
         )
     return record
-
-
-def state_bytes_per_device(state: Any) -> int:
-    """The largest number of bytes of ``state`` that any one device holds.
-
-    Mirrored leaves count in full on every device; sharded ones by their shard.
-    """
-    per_device: dict[int, int] = collections.defaultdict(int)
-    for leaf in jax.tree.leaves(state):
-        if not isinstance(leaf, jax.Array) or leaf.is_deleted():
-            continue
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        for shard in leaf.addressable_shards:
-            per_device[shard.device.id] += shard.data.nbytes
-    return max(per_device.values(), default=0)
 
 
 def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
