@@ -402,11 +402,26 @@ def test_background_filling_decodes_each_example_once(test_source):
     batch = cached.read_batch(list(range(49, -1, -1)))  # races the filler on purpose
     cached.stop_filling()
     np.testing.assert_array_equal(batch["image"][::-1], np.stack([e["image"] for e in examples]))
-    # Each example is decoded by the filler or the reader; both at once is rare but harmless.
-    assert 50 <= counting.reads <= 50 + 8
+    assert counting.reads == 50  # The reader waits for the chunk the filler is decoding.
     reads = counting.reads
     cached.read_batch(list(range(50)))
     assert counting.reads == reads
+
+
+class _BrokenSource(_CountingSource):
+    def __getitem__(self, index: int) -> dict:
+        if index == 5:
+            raise ValueError("example 5 is corrupt")
+        return super().__getitem__(index)
+
+
+def test_a_failing_background_decode_reaches_the_reader_instead_of_hanging_it(test_source):
+    cached = data.CachedSource(_BrokenSource([test_source[i] for i in range(20)]))
+    cached.fill_in_background(chunk_size=8)
+    with pytest.raises(ValueError, match="example 5 is corrupt"):
+        cached.read_batch(list(range(20)))
+    cached.stop_filling()
+    assert cached.read_batch([12, 19])["image"].shape[0] == 2
 
 
 # Evaluation iterator.

@@ -32,7 +32,9 @@ class CachedSource(Sequence[Example]):
         self._source = source
         self._filled = np.zeros(len(source), bool)
         self._columns: Batch | None = None  # Allocated at the first read, filled lazily.
-        self._lock = threading.Lock()  # Guards _columns and _filled.
+        self._claimed = np.zeros(len(source), bool)  # Being decoded by some thread now.
+        self._lock = threading.Lock()  # Guards _columns, _filled and _claimed.
+        self._decoded = threading.Condition(self._lock)
         self._filler: threading.Thread | None = None
         self._stop_filling = threading.Event()
 
@@ -65,8 +67,7 @@ class CachedSource(Sequence[Example]):
                 if self._stop_filling.is_set():
                     return
                 chunk = np.arange(start, min(start + chunk_size, len(self)))
-                if not self._filled[chunk].all():
-                    self._fill(chunk[~self._filled[chunk]])
+                self._decode(self._claim(chunk))  # Skips what a reader is decoding.
         except Exception as e:  # noqa: BLE001  (the reader that needs the example re-raises)
             logging.warning("Stopped decoding %r in the background: %s", self._source, e)
 
@@ -86,18 +87,46 @@ class CachedSource(Sequence[Example]):
         return jax.tree.map(lambda column: column[indices], self._columns)
 
     def _fill(self, indices: np.ndarray) -> None:
-        # Decoding runs unlocked, so that grain threads and the background
-        # filler decode side by side; two may decode the same example, once.
-        batch = read_batch(self._source, indices)
+        """Decodes the missing ``indices``, waiting for those another thread is decoding."""
+        while True:
+            mine = self._claim(indices)
+            if mine.size:
+                self._decode(mine)
+                continue
+            with self._lock:
+                missing = ~self._filled[indices]
+                if not missing.any():
+                    return
+                if self._claimed[indices[missing]].all():
+                    self._decoded.wait()  # Whoever claimed them notifies, even on failure.
+
+    def _claim(self, indices: np.ndarray) -> np.ndarray:
+        """Marks the ``indices`` nobody has decoded or is decoding as ours; returns them."""
         with self._lock:
-            if self._columns is None:
-                # np.zeros leaves untouched pages unallocated: memory grows as examples arrive.
-                self._columns = jax.tree.map(
-                    lambda x: np.zeros((len(self), *x.shape[1:]), x.dtype), batch
-                )
-            _check_feature_shapes(self._columns, batch)
-            jax.tree.map(lambda column, x: column.__setitem__(indices, x), self._columns, batch)
-            self._filled[indices] = True
+            mine = indices[~self._filled[indices] & ~self._claimed[indices]]
+            self._claimed[mine] = True
+        return mine
+
+    def _decode(self, indices: np.ndarray) -> None:
+        # Decoding runs unlocked, so that grain threads and the background
+        # filler decode side by side, each example once.
+        if not indices.size:
+            return
+        try:
+            batch = read_batch(self._source, indices)
+            with self._lock:
+                if self._columns is None:
+                    # np.zeros leaves untouched pages unallocated: memory grows as examples arrive.
+                    self._columns = jax.tree.map(
+                        lambda x: np.zeros((len(self), *x.shape[1:]), x.dtype), batch
+                    )
+                _check_feature_shapes(self._columns, batch)
+                jax.tree.map(lambda column, x: column.__setitem__(indices, x), self._columns, batch)
+                self._filled[indices] = True
+        finally:
+            with self._lock:
+                self._claimed[indices] = False
+                self._decoded.notify_all()
 
     def __repr__(self) -> str:
         return f"CachedSource({self._source!r})"
