@@ -141,6 +141,12 @@ def varying_axes(x: jax.Array, axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in axes if a in varying)
 
 
+def sum_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """``x`` summed over those of ``axes`` it varies over (unchanged where it varies over none)."""
+    varying = varying_axes(x, axes)
+    return jax.lax.psum(x, varying) if varying else x
+
+
 def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """``x`` typed as varying over every one of ``axes`` (a no-op where it already is)."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)

@@ -8,8 +8,10 @@ The data-parallel replicas span ``data`` x ``fsdp``.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -67,17 +69,24 @@ def resolve_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict
 def build_mesh(
     devices: Sequence[jax.Device] | None = None,
     axes: Mapping[str, int] | None = None,
+    dcn_axes: Mapping[str, int] | None = None,
 ) -> Mesh:
     """Builds the ``("data", "fsdp", "tensor")`` mesh over ``devices``.
 
     Args:
       devices: the devices to use; ``None`` means every device of every process.
-      axes: axis sizes as in `resolve_axis_sizes`.
+      axes: axis sizes as in `resolve_axis_sizes`; with ``dcn_axes``, the sizes
+        within one TPU slice (or one host).
+      dcn_axes: axis sizes across TPU slices (or hosts, on GPUs), e.g.
+        ``{"data": 2}``: a hybrid mesh (`hybrid_mesh_devices`).
 
     Returns:
       A mesh whose axes are `Auto` (the compiler propagates shardings), laid out
       for the hardware's topology when it spans all devices.
     """
+    if dcn_axes is not None:
+        array = hybrid_mesh_devices(axes, dcn_axes, devices)
+        return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     if devices is not None:
         devices = list(devices)
         if not devices:
@@ -106,3 +115,52 @@ def _create_device_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np
     except (ValueError, NotImplementedError, AssertionError):
         # Topologies mesh_utils does not know (e.g. fake CPU devices split oddly).
         return np.asarray(devices, dtype=object).reshape(shape)
+
+
+# --------------------------------------------------------------- multi-slice
+
+
+def hybrid_mesh_devices(
+    ici_axes: Mapping[str, int] | None,
+    dcn_axes: Mapping[str, int] | None,
+    devices: Sequence[Any] | None = None,
+) -> np.ndarray:
+    """Devices laid out for a mesh that spans several TPU slices (or GPU hosts).
+
+    The slow links between slices (DCN) carry only the ``dcn_axes``; inside a
+    slice the fast interconnect (ICI) carries the ``ici_axes``. Each mesh axis
+    has size ``ici * dcn``. Put ``data`` across slices (one gradient all-reduce
+    per step) and keep ``fsdp`` and ``tensor`` inside them (collectives in every
+    layer), as MaxText, t5x and Levanter do. Devices without a ``slice_index``
+    (GPUs, CPUs) are grouped by process instead: one host is one "slice".
+
+    Args:
+      ici_axes: axis sizes within one slice, as for `resolve_axis_sizes` (one
+        may be -1: the slice's remaining devices).
+      dcn_axes: axis sizes across slices; None means ``{"data": -1}``.
+      devices: the devices; default all.
+
+    Returns:
+      An object array of devices with shape ``(data, fsdp, tensor)`` for
+      ``jax.sharding.Mesh(array, MESH_AXES)``.
+
+    Raises:
+      ValueError: the slices differ in size, or the axis sizes do not match them.
+    """
+    from jax.experimental import mesh_utils
+
+    devices = list(jax.devices() if devices is None else devices)
+    by_slice = bool(devices) and all(hasattr(d, "slice_index") for d in devices)
+    slices = collections.Counter(d.slice_index if by_slice else d.process_index for d in devices)
+    sizes = set(slices.values())
+    if len(sizes) != 1:
+        raise ValueError(f"Slices hold different numbers of devices: {dict(slices)}.")
+    dcn = resolve_axis_sizes(dcn_axes, len(slices))
+    ici = resolve_axis_sizes(ici_axes, sizes.pop())
+    array = mesh_utils.create_hybrid_device_mesh(
+        [ici[a] for a in MESH_AXES],
+        [dcn[a] for a in MESH_AXES],
+        devices,
+        process_is_granule=not by_slice,
+    )
+    return np.asarray(array, dtype=object)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from replicator.context import varying_axes, warn_if_loss_not_averaged
+from replicator import zero
+from replicator.context import sum_varying, warn_if_loss_not_averaged
 
 
 def sum_across_replicas(tree, axis_names: Sequence[str]):
@@ -31,11 +32,7 @@ def sum_across_replicas(tree, axis_names: Sequence[str]):
       A pytree of replica-invariant arrays.
     """
 
-    def reduce_leaf(x):
-        axes = varying_axes(x, axis_names)
-        return jax.lax.psum(x, axes) if axes else x
-
-    return jax.tree.map(reduce_leaf, tree)
+    return jax.tree.map(lambda x: sum_varying(x, axis_names), tree)
 
 
 def wrap_optimizer(
@@ -57,6 +54,8 @@ def wrap_optimizer(
 
     def update_fn(updates, state, params=None, **extra_args):
         warn_if_loss_not_averaged()
+        if zero.active():  # sharded parameters under run
+            return zero.update(tx, updates, state, params, axis_names, **extra_args)
         return tx.update(sum_across_replicas(updates, axis_names), state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -31,6 +31,7 @@ class Kind(enum.IntEnum):
     MIRRORED = 0  # every replica sees the whole value
     BATCH = 1  # split on axis 0: each replica sees its slice
     PER_REPLICA = 2  # one row per replica: each replica sees its row, without the axis
+    SHARDED = 3  # a parameter split over the replicas: each replica sees it whole
 
 
 class PerReplica:

@@ -31,7 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import cpu, graphs, optim, sharding
+from replicator import cpu, graphs, optim, sharding, zero
 from replicator import per_replica as pr
 from replicator.context import (
     AxisNameError,
@@ -86,6 +86,10 @@ class Replicator:
         `param_shardings`.
       strict: a rule that matches nothing, or a large parameter left replicated
         on a sharded mesh, is an error instead of a warning.
+      dcn_mesh: axis sizes across TPU slices (or hosts), e.g. ``{"data": 2}``;
+        ``mesh`` then gives the sizes within one slice, and each axis spans
+        both (`replicator.mesh.hybrid_mesh_devices`): keep ``fsdp`` and
+        ``tensor`` inside slices, ``data`` (one all-reduce a step) across.
 
     Attributes:
       mesh: the `jax.sharding.Mesh`, axes ``("data", "fsdp", "tensor")``.
@@ -117,17 +121,20 @@ class Replicator:
         cpu_defaults: bool = True,
         rules: Sequence[sharding.Rule] | None = None,
         strict: bool = False,
+        dcn_mesh: Mapping[str, int] | None = None,
     ):
         if max_steps_in_flight is not None and max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}.")
-        self.mesh = build_mesh(devices, mesh)
+        self.mesh = build_mesh(devices, mesh, dcn_mesh)
         self.precision = get_policy(precision)
         # Only axes of size > 1: a value split over them varies exactly there.
         self.axis_name: tuple[str, ...] = (
             tuple(a for a in DATA_AXES if self.mesh.shape[a] > 1) or DATA_AXES[:1]
         )
         self.num_replicas: int = math.prod(self.mesh.shape[a] for a in DATA_AXES)
-        self.batch_sharding = NamedSharding(self.mesh, P(self.axis_name))
+        # Spelled ("data", "fsdp") even where one has size 1: a parameter sharded
+        # over "fsdp" alone is then never mistaken for a batch.
+        self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXES))
         self.mirrored_sharding = NamedSharding(self.mesh, P())
         self._feeders = _feeding_processes(self.batch_sharding, self.num_replicas)
         devices = list(self.mesh.devices.flat)
@@ -136,7 +143,7 @@ class Replicator:
         self._in_flight = _StepsInFlight(max_steps_in_flight)
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
-        self._splits: dict[Any, bool] = {}  # sharding -> splits over the replicas?
+        self._layouts: dict[Any, Any] = {}  # sharding -> _layout(sharding)
         self.rules = rules
         self.strict = strict
         self._plan: sharding.ShardingPlan | None = None
@@ -391,6 +398,8 @@ class Replicator:
         out = self._in_flight.dispatch(step, *flat)
         for i in meta["per_replica"]:
             pr.remember(out[i], Kind.PER_REPLICA)
+        for i in meta["sharded"]:
+            pr.remember(out[i], Kind.SHARDED)
         return jax.tree.unflatten(meta["tree"], out)
 
     def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
@@ -427,43 +436,62 @@ class Replicator:
             flat, treedef = jax.tree.flatten(args)
         kinds = self._kinds(flat, args)
         donate = tuple(sorted(donate_argnums))
-        key = (fn, treedef, kinds, donate)
+        # Where mirrored inputs sit on "tensor": their outputs are pinned there too.
+        placed = (
+            tuple(getattr(x, "sharding", None) if k is Kind.MIRRORED else None
+                  for x, k in zip(flat, kinds))
+            if self.mesh.shape["tensor"] > 1 else None
+        )  # fmt: skip
+        key = (fn, treedef, kinds, donate, placed)
         entry = self._run_cache.get(key)
         if entry is None:
             meta: dict[str, Any] = {}
             step = jax.jit(
-                self._per_replica(fn, treedef, kinds, meta),
+                self._per_replica(fn, treedef, kinds, meta, placed),
                 donate_argnums=_leaf_positions(args, donate),
                 compiler_options=self._compiler_options,
             )
             entry = self._run_cache[key] = (step, meta)
         return entry[0], entry[1], flat
 
-    def _kinds(self, flat: list, args: tuple) -> tuple[Kind, ...]:
-        """How each argument leaf reaches the replicas; per call, so kept cheap: whether
-        a sharding splits over the replicas is worked out once per sharding."""
-        kinds, splits = [], self._splits
+    def _kinds(self, flat: list, args: tuple) -> tuple[Kind | NamedSharding, ...]:
+        """How each argument leaf reaches the replicas (a `NamedSharding`: a parameter
+        sharded over them, gathered for the step); per call, so kept cheap: what a
+        sharding means is worked out once per sharding."""
+        kinds, layouts = [], self._layouts
         for i, x in enumerate(flat):
             sharding = compat.leading_sharding(x)
-            if sharding is None:
+            layout = layouts.get(sharding, _UNSEEN) if sharding is not None else None
+            if layout is _UNSEEN:
+                layout = layouts[sharding] = self._layout(sharding)
+            if layout is None:
                 kinds.append(Kind.MIRRORED)
-                continue
-            split = splits.get(sharding)
-            if split is None:
-                split = splits[sharding] = self._splits_over_replicas(sharding)
-            kinds.append(self._split_kind(x, args, i) if split else Kind.MIRRORED)
+            elif layout is _SPLIT:
+                kinds.append(self._split_kind(x, args, i))
+            else:
+                kind = pr.known_kind(x)
+                kinds.append(kind if kind is Kind.PER_REPLICA else x.sharding)
         return tuple(kinds)
 
-    def _splits_over_replicas(self, sharding: Any) -> bool:
-        return (
-            isinstance(sharding, NamedSharding)
-            and bool(sharding.spec)
-            and _as_tuple(sharding.spec[0]) in (self.axis_name, DATA_AXES)
-            and sharding.mesh.axis_names == self.mesh.axis_names
-        )
+    def _layout(self, sharding: Any) -> Any:
+        """None: not split over the replicas (mirrored, or split over ``tensor`` only);
+        _SPLIT: split on axis 0 like a batch; _SHARDED: a parameter split over them."""
+        if not isinstance(sharding, NamedSharding) or (
+            sharding.mesh.axis_names != self.mesh.axis_names
+        ):
+            return None
+        entries = [_as_tuple(e) or () for e in sharding.spec]
+        if not any(a in self.axis_name for e in entries for a in e):
+            return None
+        batch_like = entries[0] in (DATA_AXES, ("data",) if self.axis_name == ("data",) else ())
+        if batch_like and not any(a in DATA_AXES for e in entries[1:] for a in e):
+            return _SPLIT
+        return _SHARDED
 
-    def _split_kind(self, x: Any, args: tuple, index: int) -> Kind:
+    def _split_kind(self, x: Any, args: tuple, index: int) -> Kind | NamedSharding:
         kind = pr.known_kind(x)
+        if kind is Kind.SHARDED:  # a parameter that only looks like a batch
+            return x.sharding
         rows = x.shape[0]
         if kind is Kind.PER_REPLICA and rows != self.num_replicas:
             raise ValueError(
@@ -508,27 +536,55 @@ class Replicator:
 
         return jax.tree.map(unwrap, args)
 
-    def _per_replica(self, fn: Callable, treedef, kinds: tuple[Kind, ...], meta: dict):
+    def _per_replica(self, fn: Callable, treedef, kinds: tuple, meta: dict, placed=None):
         axes = self.axis_name
         ctx = ReplicaContext(self.num_replicas, axes)
-        in_specs = tuple(P() if k is Kind.MIRRORED else P(axes) for k in kinds)
+        shardings = [k if isinstance(k, NamedSharding) else None for k in kinds]
+        # Key paths of the leaves: the wrapped optimizer pairs gradients with parameters.
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(treedef, range(len(kinds))))[0]]  # fmt: skip
+        in_specs = tuple(
+            P() if k is Kind.MIRRORED
+            else P(axes) if isinstance(k, Kind)
+            else zero.manual_spec(k, axes)
+            for k in kinds
+        )  # fmt: skip
+        # Manual over the replica axes only, so that "tensor" stays compiler-
+        # partitioned. Manual over all (each replica's tensor devices compute
+        # alike) without a tensor axis, and on CPU in bf16/fp16, where XLA:CPU
+        # 0.10 aborts compiling the partly manual program's low-precision all-reduces.
+        low_precision = self.precision.compute_dtype != jnp.float32
+        cpu_low = self.mesh.devices.flat[0].platform == "cpu" and low_precision
+        partial = self.mesh.shape["tensor"] > 1 and not cpu_low
+        manual = set(DATA_AXES) if partial else set(self.mesh.axis_names)
         shard_map = lambda body, out_specs: jax.shard_map(
-            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
-        )
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+            axis_names=manual, check_vma=True,
+        )  # fmt: skip
 
-        def call(*flat):
+        def call(*flat, whole=False):
             rows = [x[0] if k is Kind.PER_REPLICA else x for x, k in zip(flat, kinds)]
-            with replica_context(ctx, getattr(fn, "__name__", "step")):
+            rows, sharded = zero.gather_inputs(
+                rows, [None] * len(rows) if whole else shardings, axes, paths
+            )
+            with replica_context(ctx, getattr(fn, "__name__", "step")), zero.tracing(sharded):
                 out = fn(*jax.tree.unflatten(treedef, rows))
-            return jax.tree.flatten(out)
+                # How each output leaves: mirrored (None), stacked per replica
+                # (_SPLIT), or sharded like the sharded input it stands for.
+                layouts = []
+                for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+                    varying = varying_axes(x, axes)
+                    sharded = zero.output_sharding(x, varying, path)
+                    layouts.append(sharded or (_SPLIT if varying else None))
+            leaves, tree = jax.tree.flatten(out)
+            return leaves, tree, layouts
 
         def run_all_replicas(*flat):
-            # First trace: which outputs vary across replicas decides their out_specs.
+            # First trace: how each output leaves decides the out_specs.
             found = {}
 
             def probe(*flat):
-                leaves, found["tree"] = call(*flat)
-                found["varying"] = [bool(varying_axes(x, axes)) for x in leaves]
+                _, found["tree"], found["layouts"] = call(*flat)
                 return ()
 
             try:
@@ -536,20 +592,53 @@ class Replicator:
             except (AssertionError, NameError) as e:
                 self._raise_for_axis_names(e, call, flat, kinds)
                 raise
-            varying = found["varying"]
+            layouts = found["layouts"]
 
             def body(*flat):
-                leaves, _ = call(*flat)
-                return tuple(_stack(x, axes) if v else x for x, v in zip(leaves, varying))
+                leaves, _, _ = call(*flat)
+                out = []
+                for x, layout in zip(leaves, layouts):
+                    if layout is _SPLIT:
+                        x = _stack(x, axes)
+                    elif layout is not None and not varying_axes(x, axes):  # whole: keep a slice
+                        x = zero.local_slice(x, zero.manual_spec(layout, axes))
+                    out.append(x)
+                return tuple(out)
 
-            out_specs = tuple(P(axes) if v else P() for v in varying)
+            out_specs = tuple(
+                P() if layout is None
+                else P(DATA_AXES) if layout is _SPLIT
+                else zero.manual_spec(layout, axes)
+                for layout in layouts
+            )  # fmt: skip
             meta["tree"] = found["tree"]
-            meta["per_replica"] = [i for i, v in enumerate(varying) if v]
-            return shard_map(body, out_specs)(*flat)
+            meta["per_replica"] = [i for i, layout in enumerate(layouts) if layout is _SPLIT]
+            meta["sharded"] = [
+                i
+                for i, layout in enumerate(layouts)
+                if isinstance(layout, NamedSharding) and self._layout(layout) is _SPLIT
+            ]  # fmt: skip  (sharded like a batch: remembered as parameters)
+            out = shard_map(body, out_specs)(*flat)
+            return tuple(
+                jax.lax.with_sharding_constraint(x, layout) if isinstance(layout, NamedSharding)
+                else self._mirrored_layout(x, flat, placed) if layout is None
+                else x
+                for x, layout in zip(out, layouts)
+            )  # fmt: skip
 
         # Named after the step in compile logs, profiles and HLO dumps: jit_run_<fn>.
         run_all_replicas.__name__ = f"run_{getattr(fn, '__name__', 'step')}"
         return run_all_replicas
+
+    def _mirrored_layout(self, x: jax.Array, flat: tuple, placed: tuple | None) -> jax.Array:
+        """A mirrored output, pinned where the compiler would choose (over ``tensor``): as
+        the mirrored input of its shape and dtype was (its old value), else replicated."""
+        if placed is None:
+            return x
+        for arg, where in zip(flat, placed):
+            if isinstance(where, NamedSharding) and (arg.shape, arg.dtype) == (x.shape, x.dtype):
+                return jax.lax.with_sharding_constraint(x, where)
+        return jax.lax.with_sharding_constraint(x, self.mirrored_sharding)
 
     def _raise_for_axis_names(self, error: Exception, call, flat, kinds) -> None:
         """Turns a collective over an axis that is not the replicas' into an `AxisNameError`.
@@ -567,8 +656,8 @@ class Replicator:
             elif kind is Kind.PER_REPLICA:
                 shape = shape[1:]
             local.append(jax.ShapeDtypeStruct(shape, x.dtype))
-        try:
-            jax.eval_shape(_bind_axes(lambda *xs: call(*xs)[0], self.axis_name), *local)
+        try:  # sharded arguments given whole (their global shape)
+            jax.eval_shape(_bind_axes(lambda *xs: call(*xs, whole=True)[0], self.axis_name), *local)
         except NameError as e:
             name = _unbound_axis(e)
             if name is not None and name not in self.axis_name:
@@ -766,6 +855,9 @@ class Replicator:
     def wait(self) -> None:
         """Blocks until every dispatched step has finished."""
         self._in_flight.drain()
+
+
+_UNSEEN, _SPLIT, _SHARDED = object(), object(), object()  # `Replicator._layout`s
 
 
 def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:

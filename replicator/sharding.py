@@ -49,8 +49,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.mesh import DATA_AXES, MESH_AXES, resolve_axis_sizes
-
 PyTree = Any
 Rule = tuple[str, Any]
 
@@ -219,7 +217,7 @@ def _parse_rules(rules: Sequence[Rule], mesh: Mesh, problems: _Problems) -> list
                 problems.add(
                     "claimed",
                     f"logical axis {key!r} is claimed by two rules, {claimed[key]} and "
-                    f"{tuple(rule)!r}; the first wins",
+                    f"{tuple(rule)!r}; keep one",
                 )
             else:
                 claimed[key] = tuple(rule)
@@ -243,7 +241,7 @@ def _known_axes(axes: tuple[str, ...], rule: Any, mesh: Mesh, problems: _Problem
             problems.add(
                 "axis",
                 f"rule {tuple(rule)!r} names mesh axis {axis!r}, which the mesh does not "
-                f"have (its axes: {', '.join(mesh.axis_names)}); ignored",
+                f"have (its axes: {', '.join(mesh.axis_names)})",
             )
     return tuple(a for a in axes if a in mesh.axis_names)
 
@@ -376,9 +374,13 @@ class _Problems:
         if line not in self.lines[kind]:
             self.lines[kind].append(line)
 
+    # Rules that cannot mean what they say are always errors; the rest are
+    # warnings unless strict (a model may legitimately leave them so).
+    _ALWAYS = ("axis", "claimed")
+
     def report(self, strict: bool) -> None:
         messages = [self._message(kind, lines) for kind, lines in self.lines.items()]
-        if strict and messages:
+        if messages and (strict or any(kind in self.lines for kind in self._ALWAYS)):
             raise ShardingError("\n".join(messages))
         for message in messages:
             warnings.warn(message, ShardingWarning, stacklevel=4)
@@ -490,90 +492,6 @@ def _find_params(state: PyTree) -> tuple[tuple, PyTree]:
     elif hasattr(state, "params"):
         return (jax.tree_util.GetAttrKey("params"),), state.params
     return (), state
-
-
-# ------------------------------------------------- ZeRO inside jax.shard_map
-
-
-def manual_specs(shardings: PyTree, manual_axes: Sequence[str] = DATA_AXES) -> PyTree:
-    """The specs of ``shardings`` restricted to ``manual_axes``, for `jax.shard_map`.
-
-    Under ``jax.shard_map(..., axis_names=set(manual_axes))`` the other axes
-    (``tensor``) stay compiler-partitioned: a spec may name only the manual ones.
-
-    >>> manual_specs({"w": NamedSharding(build_mesh(), P("fsdp", "tensor"))})
-    {'w': P('fsdp',)}
-    """
-
-    def restrict(sharding):
-        entries = [tuple(a for a in _as_axes(e) if a in manual_axes) for e in sharding.spec]
-        return _spec(entries)
-
-    return jax.tree.map(restrict, shardings)
-
-
-def gather_shards(tree: PyTree, specs: PyTree) -> PyTree:
-    """Inside `jax.shard_map`: each leaf's local shard -> the whole leaf (all-gather).
-
-    Args:
-      tree: local shards, split as ``specs`` says (`manual_specs`).
-      specs: a `PartitionSpec` per leaf (or a prefix of ``tree``).
-
-    Returns:
-      The whole leaves; their gradients come back through a reduce-scatter.
-    """
-
-    def gather(x, spec):
-        for dim, axes in enumerate(_as_axes(e) for e in spec):
-            if axes:
-                x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-        return x
-
-    return jax.tree.map(gather, tree, jax.tree.broadcast(specs, tree, is_leaf=_is_spec))
-
-
-def reduce_scatter_grads(
-    grads: PyTree, specs: PyTree, replica_axes: Sequence[str] = DATA_AXES
-) -> PyTree:
-    """Inside `jax.shard_map`: per-replica gradients -> their sum, split as ``specs``.
-
-    A leaf split over ``fsdp`` gets a reduce-scatter over it (half an
-    all-reduce's traffic) and an all-reduce over the other replica axes; a leaf
-    that autodiff already summed (it no longer varies over an axis) is only
-    sliced. The optimizer then updates each device's shard of the parameters
-    and of its state (ZeRO).
-
-    Args:
-      grads: gradients of the whole parameters (from `gather_shards`' output).
-      specs: the parameters' `manual_specs`.
-      replica_axes: the axes the replicas span.
-
-    Returns:
-      Gradient shards, replica-invariant, shaped like the parameter shards.
-    """
-
-    def reduce(x, spec):
-        varying = set(jax.typeof(x).manual_axis_type.varying)
-        split = set()
-        for dim, axes in enumerate(_as_axes(e) for e in spec):
-            if not axes:
-                continue
-            split.update(axes)
-            if varying.issuperset(axes):
-                x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
-            else:
-                summed = tuple(a for a in axes if a in varying)
-                x = _local_slice(jax.lax.psum(x, summed) if summed else x, axes, dim)
-        rest = tuple(a for a in replica_axes if a in varying and a not in split)
-        return jax.lax.psum(x, rest) if rest else x
-
-    return jax.tree.map(reduce, grads, jax.tree.broadcast(specs, grads, is_leaf=_is_spec))
-
-
-def _local_slice(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
-    parts = math.prod(jax.lax.axis_size(a) for a in axes)
-    size = x.shape[dim] // parts
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
 
 
 def _is_spec(x: Any) -> bool:
@@ -712,54 +630,3 @@ def _is_box(x: Any) -> bool:
 
 def _path_str(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
-# --------------------------------------------------------------- multi-slice
-
-
-def hybrid_mesh_devices(
-    ici_axes: Mapping[str, int] | None,
-    dcn_axes: Mapping[str, int] | None,
-    devices: Sequence[Any] | None = None,
-) -> np.ndarray:
-    """Devices laid out for a mesh that spans several TPU slices.
-
-    The slow links between slices (DCN) carry only the ``dcn_axes``; inside a
-    slice the fast interconnect (ICI) carries the ``ici_axes``. Each mesh axis
-    has size ``ici * dcn``. Put ``data`` across slices (one gradient all-reduce
-    per step) and keep ``fsdp`` and ``tensor`` inside them (collectives in every
-    layer), as MaxText, t5x and Levanter do.
-
-    Args:
-      ici_axes: axis sizes within one slice, as for `resolve_axis_sizes` (one
-        may be -1: the slice's remaining devices).
-      dcn_axes: axis sizes across slices; None means ``{"data": -1}``.
-      devices: devices carrying ``slice_index`` (TPU); default all.
-
-    Returns:
-      An object array of devices with shape ``(data, fsdp, tensor)`` for
-      ``jax.sharding.Mesh(array, MESH_AXES)``.
-
-    Raises:
-      ValueError: the devices carry no ``slice_index``, the slices differ in
-        size, or the axis sizes do not match the slices.
-    """
-    from jax.experimental import mesh_utils
-
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices or not all(hasattr(d, "slice_index") for d in devices):
-        raise ValueError(
-            "hybrid_mesh_devices needs devices with a slice_index (a multi-slice TPU); "
-            f"{devices[0] if devices else 'no device'} has none. On one slice, use "
-            "build_mesh."
-        )
-    slices = collections.Counter(d.slice_index for d in devices)
-    sizes = set(slices.values())
-    if len(sizes) != 1:
-        raise ValueError(f"Slices hold different numbers of devices: {dict(slices)}.")
-    dcn = resolve_axis_sizes(dcn_axes, len(slices))
-    ici = resolve_axis_sizes(ici_axes, sizes.pop())
-    array = mesh_utils.create_hybrid_device_mesh(
-        [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices
-    )
-    return np.asarray(array, dtype=object)

@@ -85,3 +85,19 @@ def leading_sharding(x: Any) -> Any:
     if type(x).__name__ == "PRNGKeyArray":
         return x._base_array.sharding
     return getattr(x, "sharding", None)
+
+
+def all_gather_invariant(x: Any, axes: tuple[str, ...], dim: int) -> Any:
+    """Inside ``jax.shard_map``: ``x``'s slices over ``axes`` concatenated along ``dim``,
+    typed replica-invariant (``jax.lax.all_gather`` types its result varying).
+
+    Public as ``jax.lax.all_gather(..., to="invarying")`` where that exists.
+    """
+    import jax
+
+    try:
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to="invarying")
+    except (TypeError, ValueError):
+        from jax._src.lax import parallel
+
+        return parallel.all_gather_invariant(x, axes, axis=dim, tiled=True)

@@ -45,6 +45,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
     # Where and how precisely.
     "mesh": ((dict,), {"data": -1}, "mesh axis sizes, e.g. dict(data=-1) or dict(fsdp=8)"),
+    "dcn_mesh": (
+        (dict, None),
+        None,
+        "axis sizes across TPU slices (or hosts), e.g. dict(data=2); mesh is then per slice",
+    ),
     "rules": ((tuple, list, None), None, "parameter sharding rules (None: FSDP + Megatron)"),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),

@@ -109,6 +109,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         mesh=dict(config.mesh),
         precision=config.precision,
         rules=None if config.rules is None else [tuple(rule) for rule in config.rules],
+        dcn_mesh=None if config.dcn_mesh is None else dict(config.dcn_mesh),
     )
     experiment = load_experiment(
         config.experiment,
@@ -184,9 +185,9 @@ def _make_steps(
 ) -> tuple[Callable, Callable]:
     """The experiment's steps on the configured path, their sums reduced across replicas.
 
-    Under ``compile`` the state keeps its shardings from step to step (FSDP and
-    tensor parallelism); under ``run`` sharded parameters are gathered for the
-    step (correct, without FSDP's memory saving yet).
+    Both keep the state in its shardings from step to step: ``compile`` through
+    them (XLA partitions the step), ``run`` as ZeRO (`replicator.zero`:
+    parameters gathered for the step, each device updating its slice).
     """
     train_fn = _with_matmul_precision(experiment.train_step, config.matmul_precision)
     eval_fn = _with_matmul_precision(experiment.eval_step, config.matmul_precision)

@@ -1,0 +1,196 @@
+"""ZeRO inside `repl.run`: sharded parameters and optimizer state stay sharded, and a
+step equals the same step on one device (SGD and Adam: an extra psum would show)."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator import sharding as sh
+
+RULES = [("embed", "fsdp"), ("mlp", "tensor")]
+MESHES = {
+    "cube": {"data": 2, "fsdp": 2, "tensor": 2},
+    "fsdp8": {"data": 1, "fsdp": 8},
+    "data4_fsdp2": {"data": 4, "fsdp": 2},
+    "data4_tensor2": {"data": 4, "tensor": 2},  # split over tensor only: mirrored to run
+}
+KERNEL_SPECS = {
+    "cube": P("fsdp", "tensor"),
+    "fsdp8": P("fsdp"),
+    "data4_fsdp2": P("fsdp"),
+    "data4_tensor2": P(None, "tensor"),
+}
+
+
+class MLP(nn.Module):
+    """128 -> 512 -> 128 -> 128, annotated; the last kernel is square (shapes collide)."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = lambda *names: nn.with_logical_partitioning(  # noqa: E731
+            nn.initializers.lecun_normal(), names
+        )
+        h = nn.Dense(512, kernel_init=kernel("embed", "mlp"), name="fc")(x)
+        h = nn.Dense(128, kernel_init=kernel("mlp", "embed"), name="proj")(nn.gelu(h))
+        return nn.Dense(128, kernel_init=kernel("embed", "out"), name="head")(h)
+
+
+def loss_fn(params, batch):
+    out = MLP().apply({"params": params}, batch["x"])
+    return rp.compute_average_loss(jnp.mean((out - batch["y"]) ** 2, axis=-1))
+
+
+def batches(n, size=16):
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        yield {
+            "x": rng.normal(size=(size, 128)).astype(np.float32),
+            "y": rng.normal(size=(size, 128)).astype(np.float32),
+        }
+
+
+def one_device(tx, steps, grad_accum_steps=1):
+    """The same training on one device, plain optax, a mean over the global batch."""
+
+    def step(state, batch):
+        def loss(p):
+            out = MLP().apply({"params": p}, batch["x"])
+            return jnp.mean(jnp.mean((out - batch["y"]) ** 2, axis=-1))
+
+        grads = jax.grad(loss)(state.params)
+        return state.apply_gradients(grads, tx)
+
+    state = make_state(tx, jax.random.key(0))
+    for batch in batches(steps):
+        state = jax.jit(step)(state, batch)
+    return state
+
+
+def make_state(tx, key, grad_accum_steps=1):
+    params = MLP().init(key, jnp.zeros((1, 128)))["params"]
+    return rp.TrainState.create(params, tx, key, grad_accum_steps=grad_accum_steps)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+# Adam turns the last bits of a near-zero gradient into a step of up to its learning
+# rate; SGD keeps them small, and is the one an extra psum (N times the step) fails.
+@pytest.mark.parametrize(
+    "make_tx, atol",
+    [(lambda: optax.sgd(0.1), 1e-5), (lambda: optax.adam(1e-2), 2e-4)],
+    ids=["sgd", "adam"],
+)
+def test_run_keeps_the_state_sharded_and_equals_one_device(mesh_name, make_tx, atol):
+    repl = rp.Replicator(mesh=MESHES[mesh_name], rules=RULES)
+    tx = repl.wrap_optimizer(make_tx())
+    state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    kernel = state.params["fc"]["kernel"].value.sharding
+    assert kernel.spec == KERNEL_SPECS[mesh_name]
+    for moment in ("mu", "nu"):  # Adam's moments follow their parameters
+        if hasattr(state.opt_state[0], moment):
+            assert getattr(state.opt_state[0], moment)["fc"]["kernel"].value.sharding == kernel
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to a whole-leaf update
+        for batch in batches(3):
+            state, _ = repl.run(step, state, repl.shard_batch(batch), donate_argnums=(0,))
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True):
+        assert x.sharding == s  # every parameter and optimizer-state leaf, as it came in
+    assert sh.bytes_per_device(state) < 0.6 * sh.bytes_per_device(jax.device_get(state))
+    want = one_device(make_tx(), 3)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
+
+
+def test_a_non_elementwise_optimizer_is_exact_with_a_warning():
+    """A global-norm clip over slices would clip by a slice's norm; the update runs whole."""
+    make_tx = lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))  # noqa: E731
+    repl = rp.Replicator(mesh=MESHES["cube"], rules=RULES)
+    tx = repl.wrap_optimizer(make_tx())
+    state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def clipped_step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    with pytest.warns(UserWarning, match="not elementwise per parameter"):
+        for batch in batches(2):
+            state, _ = repl.run(clipped_step, state, repl.shard_batch(batch))
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert x.sharding == s
+    want = one_device(make_tx(), 2)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-4)
+
+
+def test_gradient_accumulation_on_a_sharded_mesh_equals_one_big_batch():
+    repl = rp.Replicator(mesh=MESHES["cube"], rules=RULES)
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    states = {
+        k: repl.init(lambda key, k=k: make_state(tx, key, k), jax.random.key(0)) for k in (1, 2)
+    }
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    (batch,) = batches(1, size=32)
+    out = {k: repl.run(step, s, repl.shard_batch(batch)) for k, s in states.items()}
+    for a, b in zip(jax.tree.leaves(out[1][0].params), jax.tree.leaves(out[2][0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.sum(out[1][1]), np.sum(out[2][1]), rtol=1e-5)
+
+
+def test_a_parameter_sharded_over_fsdp_alone_is_not_taken_for_a_batch():
+    """On data=1, fsdp=8 a kernel split on its first axis looks like a batch's layout."""
+    repl = rp.Replicator(mesh={"data": 1, "fsdp": 8})
+    assert repl.axis_name == ("fsdp",)
+    w = repl.init(lambda: {"w": jnp.arange(256 * 128.0).reshape(256, 128)})["w"]
+    assert w.sharding.spec == P("fsdp")
+    x = repl.shard_batch(np.ones((8, 256), np.float32))
+    rows = repl.run(lambda w, x: (x @ w)[:, 0], w, x)  # each replica: its row, the whole w
+    column = np.arange(256 * 128.0).reshape(256, 128)[:, 0]
+    np.testing.assert_allclose(np.asarray(rows).reshape(-1), np.full(8, column.sum()))
+
+
+def test_gradients_pair_with_their_parameters_by_path_when_shapes_collide():
+    """Square kernels sharded on different axes, and an update not told the parameters:
+    each gradient still gets its own parameter's slicing (by key path), so no warning."""
+    repl = rp.Replicator(
+        mesh={"fsdp": 8}, rules=[(r".*a", ("fsdp", None)), (r".*b", (None, "fsdp"))]
+    )
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    params = repl.init(lambda: {"a": jnp.ones((128, 128)), "b": jnp.full((128, 128), 2.0)})
+
+    def step(params, x):
+        grads = jax.grad(lambda p: rp.compute_average_loss(jnp.sum(x @ p["a"] @ p["b"], -1)))(
+            params
+        )
+        updates, _ = tx.update(grads, tx.init(params))  # no params passed
+        return optax.apply_updates(params, updates)
+
+    x = repl.shard_batch(np.ones((8, 128), np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = repl.run(step, params, x)
+    assert out["a"].sharding.spec == P("fsdp") and out["b"].sharding.spec == P(None, "fsdp")
+    plain = jax.grad(lambda p: jnp.mean(jnp.sum(np.ones((8, 128)) @ p["a"] @ p["b"], -1)))(
+        jax.device_get(params)
+    )
+    for key in "ab":
+        np.testing.assert_allclose(
+            np.asarray(out[key]), np.asarray(params[key]) - 0.1 * plain[key], rtol=1e-5
+        )
