@@ -494,10 +494,6 @@ def _find_params(state: PyTree) -> tuple[tuple, PyTree]:
     return (), state
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
-
-
 # ------------------------------------------------------------------- report
 
 

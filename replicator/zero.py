@@ -51,9 +51,9 @@ class _Trace:
 
     wholes: dict[int, P] = dataclasses.field(default_factory=dict)  # id(gathered leaf) -> spec
     slice_of: dict[int, Any] = dataclasses.field(default_factory=dict)  # id(gathered) -> slice
-    # (whole shape, local shape) -> {spec: the input's sharding}
-    by_shape: dict[tuple, dict] = dataclasses.field(
-        default_factory=lambda: collections.defaultdict(dict)
+    # whole shape -> the specs of the sharded inputs of that shape
+    by_shape: dict[tuple, set] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(set)
     )
     # (key path, whole shape, spec, sharding) of each sharded input
     paths: list = dataclasses.field(default_factory=list)
@@ -97,7 +97,7 @@ def gather_inputs(
         spec = manual_spec(sharding, axes)
         whole = gather(x, spec)
         trace.wholes[id(whole)], trace.slice_of[id(whole)] = spec, x
-        trace.by_shape[whole.shape, x.shape].setdefault(spec, sharding)
+        trace.by_shape[whole.shape].add(spec)
         trace.paths.append((tuple(path), whole.shape, spec, sharding))
         trace.keep += [x, whole]
         out.append(whole)
@@ -219,7 +219,7 @@ def _slice(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
 def _spec_by_shape(trace: _Trace, x: Any) -> P | None:
     if not hasattr(x, "shape") or jax.typeof(x).manual_axis_type.varying:
         return None
-    found = {s for (whole, _), group in trace.by_shape.items() if whole == x.shape for s in group}
+    found = set(trace.by_shape.get(x.shape, ()))
     return found.pop() if len(found) == 1 else (_AMBIGUOUS if found else None)
 
 
