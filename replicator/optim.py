@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from replicator import zero
+from replicator import diloco, zero
 from replicator.context import sum_varying, warn_if_loss_not_averaged
 
 
@@ -36,21 +36,30 @@ def sum_across_replicas(tree, axis_names: Sequence[str]):
 
 
 def wrap_optimizer(
-    tx: optax.GradientTransformation, axis_names: Sequence[str]
+    tx: optax.GradientTransformation,
+    axis_names: Sequence[str],
+    sync: diloco.DiLoCo | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Sums per-replica gradients across ``axis_names``, then applies ``tx``.
 
     Args:
       tx: any optax transformation.
       axis_names: the replica axes of the mesh.
+      sync: None (every step, all replicas) or `rp.DiLoCo`: islands that sum
+        gradients among their own replicas and meet every ``inner_steps``.
 
     Returns:
       A transformation with exactly ``tx``'s state (so checkpoints of wrapped and
       plain optimizers are interchangeable), correct on both `Replicator.run` and
-      `Replicator.compile`.
+      `Replicator.compile`; under DiLoCo, a `replicator.diloco.DiLoCoState`
+      around it, for `Replicator.run` only.
     """
     axis_names = tuple(axis_names)
     tx = optax.with_extra_args_support(tx)
+    if sync is not None:
+        if not isinstance(sync, diloco.DiLoCo):
+            raise TypeError(f"sync must be None or rp.DiLoCo(...), got {sync!r}.")
+        return diloco.wrap(tx, sync, axis_names)
 
     def update_fn(updates, state, params=None, **extra_args):
         warn_if_loss_not_averaged()

@@ -32,6 +32,7 @@ class Kind(enum.IntEnum):
     BATCH = 1  # split on axis 0: each replica sees its slice
     PER_REPLICA = 2  # one row per replica: each replica sees its row, without the axis
     SHARDED = 3  # a parameter split over the replicas: each replica sees it whole
+    PER_ISLAND = 4  # one row per DiLoCo island: each replica sees its island's row
 
 
 class PerReplica:

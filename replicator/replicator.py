@@ -31,7 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import cpu, graphs, optim, sharding, zero
+from replicator import cpu, diloco, graphs, optim, sharding, zero
 from replicator import per_replica as pr
 from replicator.context import (
     AxisNameError,
@@ -148,6 +148,7 @@ class Replicator:
         self.strict = strict
         self._plan: sharding.ShardingPlan | None = None
         self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
+        self._island_axis: str | None = None  # DiLoCo's (`wrap_optimizer(sync=...)`)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -400,6 +401,8 @@ class Replicator:
             pr.remember(out[i], Kind.PER_REPLICA)
         for i in meta["sharded"]:
             pr.remember(out[i], Kind.SHARDED)
+        for i in meta["per_island"]:
+            pr.remember(out[i], Kind.PER_ISLAND)
         return jax.tree.unflatten(meta["tree"], out)
 
     def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
@@ -430,6 +433,9 @@ class Replicator:
         return step.lower(*flat)
 
     def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
+        if self._island_axis is not None:
+            islands = self.mesh.shape[self._island_axis]
+            args = diloco.island_args(args, islands, self._island_rows)
         flat, treedef = jax.tree.flatten(args)
         if any(type(x) is PerReplica for x in flat):
             args = self._place_marked(args)
@@ -470,7 +476,8 @@ class Replicator:
                 kinds.append(self._split_kind(x, args, i))
             else:
                 kind = pr.known_kind(x)
-                kinds.append(kind if kind is Kind.PER_REPLICA else x.sharding)
+                per_row = kind is Kind.PER_REPLICA or kind is Kind.PER_ISLAND
+                kinds.append(kind if per_row else x.sharding)
         return tuple(kinds)
 
     def _layout(self, sharding: Any) -> Any:
@@ -492,6 +499,8 @@ class Replicator:
         kind = pr.known_kind(x)
         if kind is Kind.SHARDED:  # a parameter that only looks like a batch
             return x.sharding
+        if kind is Kind.PER_ISLAND:
+            return kind
         rows = x.shape[0]
         if kind is Kind.PER_REPLICA and rows != self.num_replicas:
             raise ValueError(
@@ -509,6 +518,19 @@ class Replicator:
                 "or make the batch with repl.shard_batch (each replica gets a slice)."
             )
         return kind or Kind.BATCH
+
+    def _island_rows(self, tree: PyTree) -> PyTree:
+        """``tree`` as per-island values (DiLoCo's parameters), each island's row a
+        copy of it."""
+        n = self.mesh.shape[self._island_axis]
+        stack = jax.jit(
+            lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), t),
+            out_shardings=NamedSharding(self.mesh, P(self._island_axis)),
+        )
+        rows = stack(tree)
+        for x in jax.tree.leaves(rows):
+            pr.remember(x, Kind.PER_ISLAND)
+        return rows
 
     def _place_marked(self, args: tuple) -> tuple:
         """Replaces each `PerReplica` by its leaves, split one row per replica."""
@@ -543,8 +565,10 @@ class Replicator:
         # Key paths of the leaves: the wrapped optimizer pairs gradients with parameters.
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
             jax.tree.unflatten(treedef, range(len(kinds))))[0]]  # fmt: skip
+        island = self._island_axis
         in_specs = tuple(
             P() if k is Kind.MIRRORED
+            else P(island) if k is Kind.PER_ISLAND
             else P(axes) if isinstance(k, Kind)
             else zero.manual_spec(k, axes)
             for k in kinds
@@ -563,7 +587,7 @@ class Replicator:
         )  # fmt: skip
 
         def call(*flat, whole=False):
-            rows = [x[0] if k is Kind.PER_REPLICA else x for x, k in zip(flat, kinds)]
+            rows = [x[0] if k in _ROWS else x for x, k in zip(flat, kinds)]
             rows, sharded = zero.gather_inputs(
                 rows, [None] * len(rows) if whole else shardings, axes, paths
             )
@@ -575,6 +599,8 @@ class Replicator:
                 for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
                     varying = varying_axes(x, axes)
                     sharded = zero.output_sharding(x, varying, path)
+                    if varying and varying == (island,):  # a DiLoCo island's value
+                        sharded = _ISLAND
                     layouts.append(sharded or (_SPLIT if varying else None))
             leaves, tree = jax.tree.flatten(out)
             return leaves, tree, layouts
@@ -600,6 +626,8 @@ class Replicator:
                 for x, layout in zip(leaves, layouts):
                     if layout is _SPLIT:
                         x = _stack(x, axes)
+                    elif layout is _ISLAND:
+                        x = x[None]
                     elif layout is not None and not varying_axes(x, axes):  # whole: keep a slice
                         x = zero.local_slice(x, zero.manual_spec(layout, axes))
                     out.append(x)
@@ -608,11 +636,13 @@ class Replicator:
             out_specs = tuple(
                 P() if layout is None
                 else P(DATA_AXES) if layout is _SPLIT
+                else P(island) if layout is _ISLAND
                 else zero.manual_spec(layout, axes)
                 for layout in layouts
             )  # fmt: skip
             meta["tree"] = found["tree"]
             meta["per_replica"] = [i for i, layout in enumerate(layouts) if layout is _SPLIT]
+            meta["per_island"] = [i for i, layout in enumerate(layouts) if layout is _ISLAND]
             meta["sharded"] = [
                 i
                 for i, layout in enumerate(layouts)
@@ -653,7 +683,7 @@ class Replicator:
             shape = x.shape
             if kind is Kind.BATCH:
                 shape = (shape[0] // self.num_replicas, *shape[1:])
-            elif kind is Kind.PER_REPLICA:
+            elif kind in _ROWS:
                 shape = shape[1:]
             local.append(jax.ShapeDtypeStruct(shape, x.dtype))
         try:  # sharded arguments given whole (their global shape)
@@ -699,7 +729,7 @@ class Replicator:
         if in_global_view():
             return value
 
-        def reduce_leaf(x):
+        def check(x):
             if np.ndim(x) < 1 or np.shape(x)[0] != self.num_replicas:
                 raise ValueError(
                     f"reduce expects per-replica values stacked on a leading axis of size "
@@ -708,21 +738,40 @@ class Replicator:
                     "constant such as len(batch); derive per-replica counts from the batch "
                     "(jnp.sum(mask)) or reduce inside the step."
                 )
-            total = jnp.sum(x, axis=0)
-            return total if op is ReduceOp.SUM else total / self.num_replicas
 
         value = jax.tree.map(lambda x: x.values if isinstance(x, PerReplica) else x, value)
-        return jax.tree.map(reduce_leaf, value)
+        jax.tree.map(check, value)
+        # Summing a stacked value over the devices is a collective program too: it
+        # counts among the steps in flight, or a loop of run + reduce queues without
+        # bound and can time out XLA:CPU's rendezvous.
+        return self._in_flight.dispatch(_reduce_stacked, value, mean=op is ReduceOp.MEAN)
 
-    def wrap_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    def wrap_optimizer(
+        self, tx: optax.GradientTransformation, sync: diloco.DiLoCo | None = None
+    ) -> optax.GradientTransformation:
         """Wraps an optax optimizer so per-replica gradients are summed across replicas.
 
         With `compute_average_loss` dividing each replica's loss by the global
         batch, the summed gradient is the gradient of the global-batch mean. Under
         `compile` the wrapper changes nothing, so one step function serves both
         paths. The optimizer state is exactly ``tx``'s. See `replicator.optim`.
+
+        ``sync=rp.DiLoCo(inner_steps=H)`` trains islands instead (the replicas
+        along ``DiLoCo.axis``): gradients are summed inside each island, and the
+        islands average their parameters through an outer optimizer every H
+        steps (`replicator.diloco`; `run` only).
         """
-        return optim.wrap_optimizer(tx, self.axis_name)
+        if sync is not None:
+            if not isinstance(sync, diloco.DiLoCo):
+                raise TypeError(f"sync must be None or rp.DiLoCo(...), got {sync!r}.")
+            if sync.axis not in DATA_AXES:
+                raise ValueError(
+                    f"DiLoCo(axis={sync.axis!r}): islands are replicas along one of the "
+                    f"replica axes {DATA_AXES}."
+                )
+            # run places DiLoCo train states per island (when there are several).
+            self._island_axis = sync.axis if self.mesh.shape[sync.axis] > 1 else None
+        return optim.wrap_optimizer(tx, self.axis_name, sync)
 
     def apply_policy(self, model: Any) -> Any:
         """``model`` (a Flax linen or NNX module) under this Replicator's precision policy.
@@ -858,6 +907,8 @@ class Replicator:
 
 
 _UNSEEN, _SPLIT, _SHARDED = object(), object(), object()  # `Replicator._layout`s
+_ISLAND = object()  # an output varying over DiLoCo's island axis only
+_ROWS = (Kind.PER_REPLICA, Kind.PER_ISLAND)  # arguments each replica gets a row of
 
 
 def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
@@ -954,6 +1005,13 @@ def _unbound_axis(error: NameError) -> str | None:
     """The axis named by JAX's "unbound axis name" error, or None for other NameErrors."""
     match = _UNBOUND.search(str(error))
     return match.group(1) if match else None
+
+
+@functools.partial(jax.jit, static_argnames="mean")
+def _reduce_stacked(value: Any, mean: bool) -> Any:
+    """Sums (or averages) each leaf of ``value`` over its leading, per-replica axis."""
+    reduce = jnp.mean if mean else jnp.sum
+    return jax.tree.map(lambda x: reduce(x, axis=0), value)
 
 
 class _StepsInFlight:

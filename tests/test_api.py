@@ -10,6 +10,7 @@ import replicator as rp
 PUBLIC = [
     "AxisNameError",
     "Checkpoints",
+    "DiLoCo",
     "LossScale",
     "PerReplica",
     "Policy",

@@ -418,3 +418,35 @@ def test_initialize_after_jax_started_says_to_call_it_first(monkeypatch):
     # A script that never called rp.initialize() would train alone: the mesh says so.
     with pytest.raises(RuntimeError, match="process 1 of 2, but it has not joined"):
         build_mesh()
+
+
+def test_diloco_islands_on_two_processes_train_like_one(tmp_path, digits_data_dir):
+    """configs/digits_cnn_diloco.py (4 islands x 2 replicas): 2 processes x 4 devices
+    (the islands spanning both) equal 1 x 8, syncs and all."""
+    args = [
+        "--config", "configs/digits_cnn_diloco.py",
+        "--config.num_train_steps=12", "--config.batch_size=64",
+        "--config.eval_every_steps=12", "--config.checkpoint_every_steps=12",
+        "--config.log_every_steps=2", "--config.diloco.inner_steps=4", "--quiet",
+        f"--config.data_dir={digits_data_dir}",
+    ]  # fmt: skip
+    one = str(tmp_path / "1x8")
+    done = run(
+        replicator_cmd("train", *args, "--workdir", one),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = str(tmp_path / "2x4")
+    done = run(
+        replicator_cmd(
+            "launch", "local", "--processes", "2", "--devices-per-process", "4", "--",
+            "train", *args, "--workdir", two,
+        )
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    ours, reference = ([r for r in read_records(w) if "loss" in r] for w in (two, one))
+    assert len(ours) == len(reference) == 7  # 6 train records and one eval
+    for a, b in zip(ours, reference):
+        assert a["step"] == b["step"]
+        assert a.get("loss") == pytest.approx(b.get("loss"), abs=1e-6)
+    assert ours[-1]["accuracy"] == reference[-1]["accuracy"]

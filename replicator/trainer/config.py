@@ -55,6 +55,12 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
     "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),
     "step_path": ((str,), "run", "'run' (per replica) or 'compile' (global view)"),
+    "diloco": (
+        (dict, None),
+        None,
+        "DiLoCo islands, e.g. dict(inner_steps=50, axis='data'): rp.DiLoCo's arguments, "
+        "outer_learning_rate/outer_momentum for its Nesterov SGD (None: synchronous)",
+    ),
     # Periodic work.
     "log_every_steps": ((int,), 10, "steps between train records"),
     "eval_every_steps": ((int,), _REQUIRED, "steps between evaluations"),
@@ -106,7 +112,9 @@ def base_config() -> ml_collections.ConfigDict:
     for key, (types, default, _) in SCHEMA.items():
         if default is _REQUIRED:
             continue
-        if default is None:  # None, yet overridable with a value of the key's type
+        if default is None and dict in types:  # a config sets a ConfigDict: --config.k.sub=v
+            setattr(c, key, None)
+        elif default is None:  # None, yet overridable with a value of the key's type
             setattr(c, key, placeholder(next(t for t in types if t is not None)))
         else:
             setattr(c, key, default)

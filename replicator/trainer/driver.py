@@ -135,7 +135,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
 
     def evaluate(state, step: int) -> dict[str, Any]:
         with watch.time("eval"):
-            return _evaluate_and_write(run, writer, run.experiment.eval_state(state), step, workdir)
+            return _evaluate_and_write(run, writer, run.eval_state(state), step, workdir)
 
     def save(end: act.StepEnd) -> None:
         with watch.time("checkpoint"):

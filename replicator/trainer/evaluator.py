@@ -20,7 +20,7 @@ import ml_collections
 from replicator.checkpoint import Checkpoints, CorruptCheckpointError
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
-from replicator.trainer.setup import Run, setup
+from replicator.trainer.setup import Run, setup, sync_policy
 from replicator.trainer.writers import MetricWriter
 
 log = logging.getLogger("replicator")
@@ -83,19 +83,58 @@ class Evaluator:
         self.checkpoints = Checkpoints(
             os.path.join(workdir, "checkpoints"), self.run.repl, read_only=True
         )
-        self._like = self.run.experiment.eval_state(self.run.abstract_state)
+        abstract = self.run.abstract_state
+        if sync_policy(self.config) is None:
+            self._like, self._view = self.run.experiment.eval_state(abstract), lambda x: x
+        else:  # DiLoCo: the outer parameters, whatever mesh the islands trained on
+            self._like, self._view = _picked(abstract, self.run.eval_state)
 
     def evaluate(self, step: int | None = None, *, strict: bool = False) -> dict[str, Any]:
         """Evaluates checkpoint ``step`` (default: the newest readable one)."""
         self.checkpoints.reload()
-        eval_state = self.checkpoints.restore(like=self._like, step=step, strict=strict,
-                                              partial=True)  # fmt: skip
+        eval_state = self._view(self.checkpoints.restore(like=self._like, step=step,
+                                                         strict=strict, partial=True))  # fmt: skip
         step = self.checkpoints.restored_step
         return {"step": step, **evaluate_split(self.run, eval_state)}
 
     def close(self) -> None:
         self.checkpoints.close()
         self.run.close()
+
+
+def _picked(abstract: Any, pick) -> tuple[dict, Any]:
+    """What to restore for ``pick(state)`` when it takes leaves from anywhere in the
+    state (not only whole top-level fields): the leaves it uses, as nested dicts of
+    the saved key names (Orbax restores such a part of a checkpoint), and how to
+    build ``pick(state)`` from them."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    used = sorted(set(jax.tree.leaves(pick(jax.tree.unflatten(treedef, range(len(paths)))))))
+    like: dict = {}
+    for i in used:
+        node, keys = like, [_key_name(k) for k in paths[i][0]]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = paths[i][1]
+
+    def view(restored: dict) -> Any:
+        values = {}
+        for i in used:
+            node = restored
+            for key in paths[i][0]:
+                node = node[_key_name(key)]
+            values[i] = node
+        labels = jax.tree.unflatten(treedef, range(len(paths)))
+        return jax.tree.map(lambda i: values[i], pick(labels))
+
+    return like, view
+
+
+def _key_name(key: Any) -> str:
+    """A key path entry as Orbax names it in a checkpoint."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
 
 def evaluate(

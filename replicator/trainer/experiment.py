@@ -23,6 +23,7 @@ from typing import Any
 
 import optax
 
+from replicator.diloco import DiLoCo
 from replicator.replicator import Replicator
 
 PyTree = Any
@@ -41,6 +42,7 @@ class Settings:
       num_train_steps: how many steps the run trains.
       grad_accum_steps: microbatches per replica batch (`rp.TrainState`).
       seed: the run's seed.
+      sync: the optimizer's synchronisation: None (every step) or `rp.DiLoCo`.
     """
 
     repl: Replicator
@@ -50,6 +52,7 @@ class Settings:
     num_train_steps: int
     grad_accum_steps: int
     seed: int
+    sync: DiLoCo | None = None
 
     def make_optimizer(self, learning_rate: float | None = None) -> optax.GradientTransformation:
         """The configured optax optimizer, wrapped for the replicas (`repl.wrap_optimizer`).
@@ -63,7 +66,7 @@ class Settings:
                 f"config.optimizer={self.optimizer!r} is not an optax optimizer (e.g. 'adam')."
             )
         rate = self.learning_rate if learning_rate is None else learning_rate
-        return self.repl.wrap_optimizer(factory(rate))
+        return self.repl.wrap_optimizer(factory(rate), sync=self.sync)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from replicator import sharding
+from replicator import diloco, sharding
 
 log = logging.getLogger("replicator")
 
@@ -192,7 +192,10 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     result: dict[str, Any] = {}
     try:
         # The compiled program is cached: this neither traces nor compiles again.
-        cost = run.train_step.lower(state, batch).compile().cost_analysis()
+        compiled = run.train_step.lower(state, batch).compile()
+        if run.config.diloco is not None:
+            result |= _island_traffic(run, compiled.as_text(), state)
+        cost = compiled.cost_analysis()
         flops = float(cost["flops"]) * len(devices)  # XLA counts one device's program
         result["flops_per_step"] = flops
         compute = watch.totals.get("compute", 0.0)
@@ -206,3 +209,23 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     except Exception as e:  # noqa: BLE001  (an instrument must not fail the run)
         log.warning("No FLOP count or MFU for the train step: %s", e)
     return result
+
+
+def _island_traffic(run, hlo: str, state) -> dict:
+    """DiLoCo's bytes per step between islands, measured from the step's HLO, next to
+    what data parallelism's gradient all-reduce over the same replicas would send."""
+    settings = dict(run.config.diloco)
+    axis, inner_steps = settings.get("axis", "data"), settings["inner_steps"]
+    sent = diloco.traffic(hlo, run.repl.mesh, axis)
+    per_step = sent["every_step"] + sent["in_branches"] / inner_steps
+    n, params = run.repl.num_replicas, diloco.outer_bytes(state)
+    log.info(
+        "DiLoCo: %.3g bytes per step between islands per device (data parallelism's "
+        "all-reduce: %.3g)",
+        per_step,
+        2 * params * (n - 1) / n,
+    )
+    return {
+        "cross_island_bytes_per_step": per_step,
+        "data_parallel_bytes_per_step": 2 * params * (n - 1) / n,
+    }

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from replicator import sharding
+from replicator import diloco, sharding
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
@@ -69,6 +72,10 @@ class Run:
         )
         return init()
 
+    def eval_state(self, state: Any) -> Any:
+        """What eval needs of a train state (under DiLoCo: of its outer parameters)."""
+        return self.experiment.eval_state(diloco.outer_view(state))
+
     def train_iterator(self) -> data.TrainIterator:
         """This process's stream of training batches; decoding starts now, on threads."""
         config = self.config
@@ -104,6 +111,11 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     train batch splitting over these devices.
     """
     config = config_lib.validate(config)
+    sync = sync_policy(config)
+    if sync is not None and config.step_path == "compile":
+        raise ValueError(
+            "config.diloco trains islands per replica: it needs config.step_path='run'."
+        )
     repl = Replicator(
         devices=devices,
         mesh=dict(config.mesh),
@@ -121,6 +133,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             num_train_steps=config.num_train_steps,
             grad_accum_steps=config.grad_accum_steps,
             seed=config.seed,
+            sync=sync,
         ),
     )
     if training:
@@ -135,8 +148,11 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
+    if sync is None:
+        shardings = _state_shardings(repl, jax.eval_shape(init))
+    else:  # replicated inside each island; parameters and inner state one row per island
+        init, shardings = _island_layout(repl, sync, init)
     abstract = jax.eval_shape(init)
-    shardings = _state_shardings(repl, abstract)
     train_step, eval_step = _make_steps(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
     eval_batch_size = -(-(config.eval_batch_size or config.batch_size) // unit) * unit
@@ -145,6 +161,51 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
         init, [eval_source],
     )  # fmt: skip
+
+
+def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
+    """The optimizer's synchronisation from ``config.diloco`` (None: every step)."""
+    if config.diloco is None:
+        return None
+    options = dict(config.diloco)
+    rate = options.pop("outer_learning_rate", None)
+    momentum = options.pop("outer_momentum", None)
+    known = {f.name for f in dataclasses.fields(diloco.DiLoCo)} - {"outer_optimizer"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"config.diloco has unknown keys {unknown}; the keys are "
+            f"{sorted(known | {'outer_learning_rate', 'outer_momentum'})}."
+        )
+    if "inner_steps" not in options:
+        raise ValueError("config.diloco needs inner_steps, e.g. dict(inner_steps=50).")
+    if rate is not None or momentum is not None:
+        options["outer_optimizer"] = optax.sgd(
+            0.7 if rate is None else rate, momentum=0.9 if momentum is None else momentum,
+            nesterov=True,
+        )  # fmt: skip
+    try:
+        return diloco.DiLoCo(**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.diloco: {e}") from e
+
+
+def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable):
+    """DiLoCo's state: ``init`` with parameters and inner optimizer state one row per
+    island (as `Replicator.run` keeps them, so checkpoints restore in that shape), and
+    its shardings: those rows split over the island axis, the rest mirrored."""
+    if repl.mesh.shape["tensor"] > 1:
+        raise ValueError(
+            "config.diloco keeps the parameters replicated: use a mesh without tensor."
+        )
+    islands = repl.mesh.shape[sync.axis]
+    mirrored = jax.tree.map(lambda _: repl.mirrored_sharding, jax.eval_shape(init))
+    if islands == 1:
+        return init, mirrored
+    split = NamedSharding(repl.mesh, P(sync.axis))
+    stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (islands, *x.shape)), tree)
+    rows = lambda: diloco.map_islands(init(), stack)
+    return rows, diloco.map_islands(mirrored, lambda tree: jax.tree.map(lambda _: split, tree))
 
 
 def _state_shardings(repl: Replicator, abstract: Any) -> Any:

@@ -1,0 +1,488 @@
+"""DiLoCo: islands of replicas that train apart and meet every ``inner_steps``.
+
+Douillard et al. (2023), "DiLoCo: Distributed Low-Communication Training of
+Language Models", and its streaming variant (2025). The replicas along one mesh
+axis (``axis``, e.g. ``"data"`` across TPU slices or sites) form *islands*;
+inside an island the replicas are ordinary data parallelism. Each island takes
+``inner_steps`` (H) steps of the inner optimizer on its own data, its gradients
+all-reduced only among its own replicas. Then the islands average their change
+of the parameters once (the *outer gradient*, ``outer - island``), an outer
+optimizer (Nesterov SGD, lr 0.7, momentum 0.9) applies it to the outer
+parameters, and every island starts again from them, keeping its inner
+optimizer state. Traffic across islands drops H-fold.
+
+It is a synchronisation policy of the wrapped optimizer, so the step does not
+change::
+
+  repl = rp.Replicator(mesh={"data": 4, "fsdp": 2})       # 4 islands of 2 replicas
+  tx = repl.wrap_optimizer(optax.adam(1e-3), sync=rp.DiLoCo(inner_steps=50))
+  state = rp.TrainState.create(params, tx, key)            # as always
+  state, loss = repl.run(train_step, state, batch)         # per-replica step, unchanged
+
+The islands' parameters differ, so `rp.TrainState`'s ``params`` and the inner
+optimizer state travel through `Replicator.run` as per-replica values, one row
+per replica (run places a fresh state that way itself); the outer parameters
+(`DiLoCoState.outer_params`, what to evaluate) are mirrored. `outer_view` gives
+a train state with the outer parameters in place of the islands'.
+
+Streaming DiLoCo's knobs: ``fragments`` syncs the parameters in that many
+groups at staggered steps (peak traffic / fragments); ``overlap_steps`` applies
+an outer gradient that many steps after it was sent, mixing it into the island's
+parameters (``mix``) instead of replacing them; ``outer_dtype`` sends the outer
+gradient in a narrow dtype (e.g. bfloat16) and accumulates it in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from replicator import per_replica as pr
+from replicator import zero
+from replicator.context import (
+    get_replica_context,
+    in_global_view,
+    sum_varying,
+    vary,
+    varying_axes,
+)
+from replicator.runtime import compat
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+    """DiLoCo synchronisation for `Replicator.wrap_optimizer` (``sync=``).
+
+    Args:
+      inner_steps: H, the inner steps between two syncs of a fragment.
+      outer_optimizer: the optax transformation applied to the averaged outer
+        gradient ``outer - island``; None: Nesterov SGD, lr 0.7, momentum 0.9
+        (the paper's). ``optax.sgd(1.0)`` makes a sync a plain average.
+      axis: the mesh axis whose replicas are the islands (default ``"data"``);
+        the other replica axes are data parallelism inside each island.
+      fragments: Streaming DiLoCo: the parameter leaves split into this many
+        contiguous groups of about equal size, each synced every H steps, the
+        groups H / fragments steps apart.
+      overlap_steps: Streaming DiLoCo: a fragment's outer gradient is applied
+        this many steps after it was sent (0: at once); the island's parameters
+        then become ``mix * outer + (1 - mix) * island``.
+      mix: the weight of the outer parameters when ``overlap_steps > 0``.
+      outer_dtype: the dtype the outer gradient crosses the islands in (e.g.
+        ``"bfloat16"``: half the bytes); summed in float32. None: the
+        parameters' dtype, all-reduced.
+    """
+
+    inner_steps: int
+    outer_optimizer: optax.GradientTransformation | None = None
+    axis: str = "data"
+    fragments: int = 1
+    overlap_steps: int = 0
+    mix: float = 0.5
+    outer_dtype: Any = None
+
+    def __post_init__(self):
+        h = self.inner_steps
+        if not isinstance(h, int) or h < 1:
+            raise ValueError(f"DiLoCo(inner_steps={h!r}): use a positive int.")
+        if not isinstance(self.fragments, int) or not 1 <= self.fragments <= h:
+            raise ValueError(
+                f"DiLoCo(fragments={self.fragments!r}): use an int from 1 to inner_steps={h}."
+            )
+        if not isinstance(self.overlap_steps, int) or not 0 <= self.overlap_steps < h:
+            raise ValueError(
+                f"DiLoCo(overlap_steps={self.overlap_steps!r}): use an int from 0 to "
+                f"inner_steps - 1 = {h - 1} (an outer gradient lands before the next is sent)."
+            )
+        if not 0.0 < self.mix <= 1.0:
+            raise ValueError(f"DiLoCo(mix={self.mix!r}): use a weight in (0, 1].")
+        if self.outer_dtype is not None:
+            jnp.dtype(self.outer_dtype)  # a clear numpy error for a bad name
+
+    @property
+    def outer(self) -> optax.GradientTransformation:
+        """The outer optimizer."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+    def syncs_at(self, count: jax.Array, fragment: int) -> jax.Array:
+        """Whether ``fragment`` is sent after inner step ``count`` (counted from 1)."""
+        offset = fragment * (self.inner_steps // self.fragments)
+        return (count >= 1) & ((count + offset) % self.inner_steps == 0)
+
+
+class DiLoCoState(NamedTuple):
+    """The wrapped optimizer's state under DiLoCo.
+
+    Attributes:
+      inner: the inner optimizer's state (per island).
+      outer_params: the outer parameters, the same on every island: what a
+        sync resets the islands to, and what to evaluate.
+      outer: the outer optimizer's state, one per fragment.
+      count: inner steps taken (int32).
+      synced: per fragment, whether its island parameters were set to the outer
+        ones at the last step (`settle` makes that exact).
+      pending: per fragment, the outer gradient sent but not yet applied
+        (``overlap_steps > 0``), else ``()``.
+    """
+
+    inner: PyTree
+    outer_params: PyTree
+    outer: tuple
+    count: jax.Array
+    synced: jax.Array
+    pending: tuple = ()
+
+
+def wrap(
+    tx: optax.GradientTransformationExtraArgs, policy: DiLoCo, axis_names: tuple[str, ...]
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` as DiLoCo's inner optimizer, under ``policy`` (see the module doc)."""
+    outer_tx = policy.outer
+
+    def init_fn(params):
+        groups = fragment_leaves(params, policy.fragments)
+        leaves = jax.tree.leaves(params)
+        outer_params = jax.tree.map(jnp.array, params)  # a buffer of its own
+        return DiLoCoState(
+            inner=tx.init(params),
+            outer_params=outer_params,
+            outer=tuple(outer_tx.init([leaves[i] for i in g]) for g in groups),
+            count=jnp.zeros((), jnp.int32),
+            synced=jnp.zeros((policy.fragments,), bool),
+            pending=tuple(
+                [jnp.zeros(leaves[i].shape, jnp.float32) for i in g] for g in groups
+            ) if policy.overlap_steps else (),
+        )  # fmt: skip
+
+    def update_fn(grads, state, params=None, **extra):
+        if params is None:
+            raise ValueError("DiLoCo needs the parameters: call tx.update(grads, state, params).")
+        island, inner_axes, islands = _islands(policy, axis_names, grads)
+
+        def reduce(mine, theirs):  # the islands' mean outer gradient
+            return _mean_over_islands(mine, theirs, island, islands, policy.outer_dtype)
+
+        grads = jax.tree.map(lambda g: sum_varying(g, inner_axes), grads)
+        if islands > 1:  # the island's mean: losses are scaled by the global batch
+            grads = jax.tree.map(lambda g: g * islands, grads)
+        updates, inner = tx.update(grads, state.inner, params, **extra)
+        local = optax.apply_updates(params, updates)
+        count = state.count + 1
+        leaves, treedef = jax.tree.flatten(local)
+        outer_leaves = jax.tree.leaves(state.outer_params)
+        outer_states, synced, pending = list(state.outer), [], list(state.pending)
+        for f, group in enumerate(fragment_leaves(local, policy.fragments)):
+            mine = [leaves[i] for i in group]
+            theirs = [outer_leaves[i] for i in group]
+            if not policy.overlap_steps:
+                mine, theirs, outer_states[f] = jax.lax.cond(
+                    policy.syncs_at(count, f),
+                    lambda m, o, s: _apply_outer(outer_tx, reduce(m, o), m, o, s, 1.0),
+                    lambda m, o, s: (m, o, s),
+                    mine, theirs, outer_states[f],
+                )  # fmt: skip
+                synced.append(policy.syncs_at(count, f))
+            else:
+                # The gradient sent overlap_steps ago lands first; then this step's leaves.
+                mine, theirs, outer_states[f] = jax.lax.cond(
+                    policy.syncs_at(count - policy.overlap_steps, f),
+                    lambda m, o, s, p: _apply_outer(outer_tx, p, m, o, s, policy.mix),
+                    lambda m, o, s, p: (m, o, s),
+                    mine, theirs, outer_states[f], pending[f],
+                )  # fmt: skip
+                pending[f] = jax.lax.cond(
+                    policy.syncs_at(count, f),
+                    lambda m, o, p: reduce(m, o),
+                    lambda m, o, p: p,
+                    mine, theirs, pending[f],
+                )  # fmt: skip
+                synced.append(jnp.zeros((), bool))
+            for i, m, o in zip(group, mine, theirs):
+                leaves[i], outer_leaves[i] = m, o
+        new_local = jax.tree.unflatten(treedef, leaves)
+        updates = jax.tree.map(lambda new, old: (new - old).astype(old.dtype), new_local, params)
+        new_state = DiLoCoState(
+            inner=inner,
+            outer_params=jax.tree.unflatten(treedef, outer_leaves),
+            outer=tuple(outer_states),
+            count=count,
+            synced=jnp.stack(synced),
+            pending=tuple(pending),
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
+    """The island axis (None: one island), the axes inside an island, and how many islands."""
+    if in_global_view():
+        raise ValueError(
+            "DiLoCo under repl.compile: the global view has one replica and no islands. "
+            "Run the step with repl.run (the trainer: step_path='run')."
+        )
+    if zero.active():
+        raise ValueError(
+            "DiLoCo with parameters sharded over the replica axes (ZeRO under repl.run) is "
+            "not supported: keep the parameters replicated inside each island (a mesh "
+            "without fsdp, or rules that leave them replicated)."
+        )
+    ctx = get_replica_context()
+    if ctx is None or policy.axis not in ctx.axis_name:
+        # Plain jax.jit on one device, or an island axis of size 1: one island.
+        return None, tuple(ctx.axis_name) if ctx else (), 1
+    islands = jax.lax.axis_size(policy.axis)
+    inner = tuple(a for a in axis_names if a != policy.axis)
+    for g in jax.tree.leaves(grads):
+        if policy.axis not in varying_axes(g, axis_names):
+            raise ValueError(
+                "DiLoCo: a gradient is the same on every island, so autodiff summed it "
+                "over all of them: the parameters must enter repl.run as per-island "
+                "values, one row per "
+                "island. Keep them (and the inner optimizer state) in an rp.TrainState: "
+                "run places it that way itself, from its DiLoCo optimizer state."
+            )
+    return policy.axis, inner, islands
+
+
+def _mean_over_islands(mine, theirs, island, islands, dtype) -> list:
+    """The islands' mean outer gradient ``outer - island``, in float32."""
+    deltas = [o.astype(jnp.float32) - m.astype(jnp.float32) for m, o in zip(mine, theirs)]
+    if island is None:
+        return deltas
+    if dtype is None:
+        return [jax.lax.pmean(d, island) for d in deltas]
+    return [_narrow_mean(d, island, islands, dtype) for d in deltas]
+
+
+def _narrow_mean(x: jax.Array, island: str, islands: int, dtype) -> jax.Array:
+    """The islands' mean of ``x``, sent in ``dtype`` and summed in float32: an
+    all-reduce spelled as all-to-all (each island gets every island's copy of one
+    slice), a float32 sum of the slice, and an all-gather of the slices."""
+    flat = x.reshape(-1)
+    pad = -flat.size % islands
+    rows = jnp.pad(flat, (0, pad)).astype(dtype).reshape(islands, -1)
+    mine = jax.lax.all_to_all(rows, island, split_axis=0, concat_axis=0, tiled=True)
+    total = jnp.sum(mine.reshape(islands, -1).astype(jnp.float32), axis=0) / islands
+    whole = compat.all_gather_invariant(total.astype(dtype), (island,), 0)
+    return whole.astype(jnp.float32)[: flat.size].reshape(x.shape)
+
+
+def _apply_outer(outer_tx, delta, mine, theirs, state, mix):
+    """One outer step on a fragment: new outer leaves, and the island's leaves after it."""
+    theirs32 = [o.astype(jnp.float32) for o in theirs]
+    updates, state = outer_tx.update(delta, state, theirs32)
+    new = [(o + u).astype(o_old.dtype) for o, u, o_old in zip(theirs32, updates, theirs)]
+    if mix == 1.0:
+        mine = [_typed_like(n, m) for n, m in zip(new, mine)]
+    else:
+        mine = [_typed_like(mix * n + (1 - mix) * m, m) for n, m in zip(new, mine)]
+    return mine, new, state
+
+
+def _typed_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` in ``like``'s dtype, varying over the axes ``like`` varies over (so that
+    both branches of a sync's ``cond`` have one type)."""
+    return vary(x.astype(like.dtype), tuple(jax.typeof(like).manual_axis_type.varying))
+
+
+def fragment_leaves(params: PyTree, fragments: int) -> list[list[int]]:
+    """The parameter leaves (flat indices) in ``fragments`` contiguous groups of about
+    equal size; every group has at least one leaf."""
+    sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
+    if fragments > len(sizes):
+        raise ValueError(
+            f"DiLoCo(fragments={fragments}) but the parameters have only {len(sizes)} leaves."
+        )
+    bounds, total, start = [], sum(sizes), 0
+    for f in range(1, fragments):
+        # Cut where the running size first reaches f / fragments, leaving a leaf for each
+        # fragment still to come.
+        cut, running = start + 1, sum(sizes[: start + 1])
+        while cut < len(sizes) - (fragments - f) and running < total * f / fragments:
+            running += sizes[cut]
+            cut += 1
+        bounds.append(cut)
+        start = cut
+    edges = [0, *bounds, len(sizes)]
+    return [list(range(a, b)) for a, b in zip(edges, edges[1:])]
+
+
+def find_state(opt_state: PyTree) -> DiLoCoState | None:
+    """The `DiLoCoState` at the top of (or anywhere in) ``opt_state``, or None."""
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+        if isinstance(x, DiLoCoState)
+    ]
+    return found[0] if found else None
+
+
+def settle(params: PyTree, opt_state: PyTree) -> PyTree:
+    """``params`` with each fragment just synced set to the outer parameters exactly.
+
+    The update a sync returns is ``outer - island``, and ``island + (outer -
+    island)`` can miss ``outer`` by a rounding; `rp.TrainState.apply_gradients`
+    calls this so that every island holds the outer parameters bitwise.
+    """
+    state = find_state(opt_state)
+    if state is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    outer = jax.tree.leaves(state.outer_params)
+    for f, group in enumerate(fragment_leaves(params, state.synced.shape[0])):
+        for i in group:
+            leaves[i] = jnp.where(state.synced[f], outer[i].astype(leaves[i].dtype), leaves[i])
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def island_args(args: tuple, islands: int, to_rows) -> tuple:
+    """``args`` with the parameters and inner optimizer state of every `rp.TrainState`
+    under DiLoCo as per-island values, as `Replicator.run` needs them: a fresh
+    state's (mirrored, shaped like the outer parameters) become one row per island
+    through ``to_rows``; stacked ones (``run``'s outputs, a restored checkpoint)
+    are marked per-island."""
+
+    def place(x):
+        if not _is_state(x):
+            return x
+        island = (x.params, x.opt_state.inner)
+        shapes = [np.shape(p) for p in jax.tree.leaves(x.params)]
+        outer = [np.shape(o) for o in jax.tree.leaves(x.opt_state.outer_params)]
+        if shapes == outer:
+            params, inner = to_rows(island)
+            return x.replace(params=params, opt_state=x.opt_state._replace(inner=inner))
+        if shapes != [(islands, *s) for s in outer]:
+            raise ValueError(
+                f"A DiLoCo train state's parameters have shapes {shapes[:3]}..., neither the "
+                f"outer parameters' {outer[:3]}... nor one row per island of them "
+                f"({islands} islands): it was saved on another mesh. Evaluate its outer "
+                "parameters (rp.diloco.outer_view), or train on the mesh that saved it."
+            )
+        for leaf in jax.tree.leaves(island):
+            if isinstance(leaf, jax.Array) and leaf.ndim and leaf.shape[0] == islands:
+                pr.remember(leaf, pr.Kind.PER_ISLAND)
+        return x
+
+    return jax.tree.map(place, args, is_leaf=_is_state)
+
+
+def outer_view(tree: PyTree) -> PyTree:
+    """``tree`` with each DiLoCo `rp.TrainState`'s ``params`` replaced by its outer
+    parameters (mirrored, one copy): the model to evaluate, export or serve."""
+
+    def view(x):
+        return x.replace(params=x.opt_state.outer_params) if _is_state(x) else x
+
+    return jax.tree.map(view, tree, is_leaf=_is_state)
+
+
+def map_islands(tree: PyTree, fn) -> PyTree:
+    """``tree`` with ``(params, inner)`` of each DiLoCo `rp.TrainState` replaced by
+    ``fn((params, inner))``: e.g. stacked one row per island, or their shardings."""
+
+    def apply(x):
+        if not _is_state(x):
+            return x
+        params, inner = fn((x.params, x.opt_state.inner))
+        return x.replace(params=params, opt_state=x.opt_state._replace(inner=inner))
+
+    return jax.tree.map(apply, tree, is_leaf=_is_state)
+
+
+def outer_bytes(tree: PyTree) -> int:
+    """The bytes of one copy of the outer parameters of every DiLoCo train state in ``tree``."""
+    states = [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
+    return sum(x.nbytes for s in states for x in jax.tree.leaves(s.opt_state.outer_params))
+
+
+def _is_state(x: Any) -> bool:
+    """Whether ``x`` is a train state under DiLoCo: an `rp.TrainState` (or any object
+    with ``params``, ``replace`` and a `DiLoCoState` as ``opt_state``)."""
+    return isinstance(getattr(x, "opt_state", None), DiLoCoState) and hasattr(x, "replace")
+
+
+# ------------------------------------------------------------------ traffic
+
+_COLLECTIVE = re.compile(r" = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
+)
+
+
+def traffic(hlo: str, mesh: jax.sharding.Mesh, axis: str) -> dict[str, int]:
+    """Bytes that cross ``axis`` (between islands) in one compiled step, from its HLO.
+
+    Args:
+      hlo: ``lowered.compile().as_text()`` of the step.
+      mesh: the mesh it was compiled for (logical device ``i`` is
+        ``mesh.devices.flat[i]``).
+      axis: the island axis.
+
+    Returns:
+      ``{"every_step": ..., "in_branches": ...}``: bytes each device sends in
+      collectives whose groups span several islands (ring model: an all-reduce
+      of ``n`` bytes over ``g`` devices sends ``2n(g-1)/g``; an all-gather,
+      all-to-all or reduce-scatter, ``(g-1)/g`` of its larger side), outside any
+      conditional (paid every step) and inside one (paid when taken: the sync).
+    """
+    position = mesh.axis_names.index(axis)
+    island_of = lambda i: np.unravel_index(i, mesh.devices.shape)[position]  # noqa: E731
+    branches = {
+        name.strip().lstrip("%")
+        for match in _BRANCHES.finditer(hlo)
+        for name in (match.group(1) or match.group(2)).split(",")
+    }
+    totals, computation = {"every_step": 0, "in_branches": 0}, None
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        op = _COLLECTIVE.search(line)
+        groups = _groups(line) if op else []
+        if not any(len({island_of(i) for i in g}) > 1 for g in groups):
+            continue
+        g = len(groups[0])
+        size = sum(
+            jnp.dtype(_DTYPES.get(dtype, dtype)).itemsize
+            * math.prod(int(d) for d in dims.split(",") if d)
+            for dtype, dims in _ARRAY.findall(op.group(1))
+        )
+        if op.group(2) == "reduce-scatter":
+            size *= g  # the result is one slice; the operand was g of them
+        share = (2 if op.group(2) == "all-reduce" else 1) * size * (g - 1) // g
+        totals["in_branches" if computation in branches else "every_step"] += share
+    return totals
+
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
+           "s32": "int32", "u32": "uint32", "s8": "int8", "u8": "uint8", "pred": "bool",
+           "s64": "int64", "u64": "uint64"}  # fmt: skip
+
+
+def _groups(line: str) -> list[list[int]]:
+    """The replica groups of one HLO collective (explicit, or iota ``[g,s]<=[dims]T(perm)``)."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
+    if explicit:
+        return [
+            [int(i) for i in g.split(",") if i]
+            for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        ]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if not iota:
+        return []
+    count, size = int(iota.group(1)), int(iota.group(2))
+    ids = np.arange(count * size).reshape([int(d) for d in iota.group(3).split(",")])
+    if iota.group(4):
+        ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+    return ids.reshape(count, size).tolist()

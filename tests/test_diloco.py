@@ -1,0 +1,312 @@
+"""DiLoCo (`rp.DiLoCo`): islands that train apart and meet every H steps.
+
+The invariants of the issue: H=1 with SGD inside and a plain outer SGD step is
+data parallelism; one island with outer SGD(lr=1) is the inner optimizer alone;
+after every sync all islands hold the outer parameters bitwise; parameter-sized
+traffic crosses islands only inside the sync.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import replicator as rp
+from replicator import diloco
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32, name="fc1")(x))
+        x = nn.relu(nn.Dense(32, name="fc2")(x))
+        return nn.Dense(4, name="head")(x)
+
+
+def loss_fn(params, batch):
+    out = MLP().apply({"params": params}, batch["x"])
+    return rp.compute_average_loss(jnp.mean((out - batch["y"]) ** 2, axis=-1))
+
+
+def batches(n, size=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 16)).astype(np.float32),
+            "y": rng.normal(size=(size, 4)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def train(mesh, inner, sync=None, steps=4, grad_accum_steps=1, every=None):
+    """Trains the MLP with ``repl.run``; returns the final state (and ``every(i, state)``)."""
+    repl = rp.Replicator(mesh=mesh)
+    tx = repl.wrap_optimizer(inner, sync=sync)
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = repl.replicate(
+        rp.TrainState.create(params, tx, jax.random.key(0), grad_accum_steps=grad_accum_steps)
+    )
+    for i, batch in enumerate(batches(steps)):
+        state, _ = repl.run(step, state, repl.shard_batch(batch), donate_argnums=(0,))
+        if every is not None:
+            every(i + 1, state)
+    return state
+
+
+def close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+ISLANDS = {"data": 4, "fsdp": 2}  # 4 islands of 2 replicas
+
+
+def test_one_inner_step_and_a_plain_outer_step_is_data_parallelism():
+    sync = rp.DiLoCo(inner_steps=1, outer_optimizer=optax.sgd(1.0))
+    got = train(ISLANDS, optax.sgd(0.1), sync)
+    want = train(ISLANDS, optax.sgd(0.1))
+    close(got.opt_state.outer_params, want.params, atol=1e-6)
+    for row in range(4):  # every island restarts from the outer parameters
+        close([x[row] for x in jax.tree.leaves(got.params)], want.params, atol=1e-6)
+
+
+def test_one_island_with_outer_sgd_is_the_inner_optimizer_alone():
+    mesh = {"data": 1, "fsdp": 8}
+    sync = rp.DiLoCo(inner_steps=3, outer_optimizer=optax.sgd(1.0))
+    got = train(mesh, optax.adam(1e-2), sync, steps=5)
+    want = train(mesh, optax.adam(1e-2), steps=5)
+    close(got.params, want.params, atol=1e-6)
+    close(got.opt_state.inner, want.opt_state, atol=1e-6)  # the inner state is kept
+
+
+def test_islands_hold_the_outer_parameters_bitwise_after_every_sync():
+    seen = {}
+
+    def every(i, state):
+        outer = state.opt_state.outer_params
+        rows_equal = [
+            all(np.array_equal(np.asarray(p[r]), np.asarray(o))
+                for p, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(outer)))
+            for r in range(4)
+        ]  # fmt: skip
+        seen[i] = (all(rows_equal), bool(state.opt_state.synced[0]))
+
+    train(ISLANDS, optax.adam(1e-2), rp.DiLoCo(inner_steps=3), steps=7, every=every)
+    assert seen == {
+        1: (False, False), 2: (False, False), 3: (True, True),
+        4: (False, False), 5: (False, False), 6: (True, True), 7: (False, False),
+    }  # fmt: skip
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    sync = rp.DiLoCo(inner_steps=2)
+    got = train(ISLANDS, optax.sgd(0.1), sync, steps=4, grad_accum_steps=2)
+    want = train(ISLANDS, optax.sgd(0.1), sync, steps=4)
+    close(got.params, want.params, atol=1e-6)
+    close(got.opt_state.outer_params, want.opt_state.outer_params, atol=1e-6)
+
+
+def test_fragments_sync_in_turn():
+    sync = rp.DiLoCo(inner_steps=4, fragments=2, outer_optimizer=optax.sgd(1.0))
+    log = {}
+
+    def every(i, state):
+        groups = diloco.fragment_leaves(state.opt_state.outer_params, 2)
+        params, outer = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state.outer_params)
+        equal = [
+            all(np.array_equal(np.asarray(params[j][r]), np.asarray(outer[j]))
+                for j in g for r in range(4))
+            for g in groups
+        ]  # fmt: skip
+        log[i] = (list(np.asarray(state.opt_state.synced)), equal)
+
+    train(ISLANDS, optax.sgd(0.1), sync, steps=4, every=every)
+    assert log[1] == ([False, False], [False, False])
+    assert log[2] == ([False, True], [False, True])  # fragment 1, H/2 steps early
+    assert log[3] == ([False, False], [False, False])
+    assert log[4] == ([True, False], [True, False])
+
+
+def test_fragments_split_the_leaves_evenly():
+    params = {"a": np.zeros(100), "b": np.zeros(10), "c": np.zeros(90), "d": np.zeros(5)}
+    assert diloco.fragment_leaves(params, 1) == [[0, 1, 2, 3]]
+    assert diloco.fragment_leaves(params, 2) == [[0, 1], [2, 3]]  # 110 and 95
+    assert diloco.fragment_leaves(params, 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="only 4 leaves"):
+        diloco.fragment_leaves(params, 5)
+
+
+def test_overlapped_outer_gradient_lands_later_and_mixes():
+    sync = rp.DiLoCo(inner_steps=2, overlap_steps=1, outer_optimizer=optax.sgd(1.0), mix=0.5)
+    outer = {}
+
+    def every(i, state):
+        outer[i] = jax.device_get(jax.tree.leaves(state.opt_state.outer_params))
+
+    train(ISLANDS, optax.sgd(0.1), sync, steps=4, every=every)
+    unchanged = lambda a, b: all(np.array_equal(x, y) for x, y in zip(outer[a], outer[b]))
+    assert unchanged(1, 2)  # sent at step 2 ...
+    assert not unchanged(2, 3)  # ... applied at step 3
+    assert unchanged(3, 4)
+
+
+def test_narrow_outer_gradient_is_close_to_float32():
+    wide = train(ISLANDS, optax.adam(1e-2), rp.DiLoCo(inner_steps=2))
+    narrow = train(ISLANDS, optax.adam(1e-2), rp.DiLoCo(inner_steps=2, outer_dtype="bfloat16"))
+    close(narrow.opt_state.outer_params, wide.opt_state.outer_params, atol=2e-3)
+
+
+# ------------------------------------------------------------------- the HLO
+
+
+def step_hlo(sync, optimized=True):
+    repl = rp.Replicator(mesh=ISLANDS)
+    tx = repl.wrap_optimizer(optax.sgd(0.1), sync=sync)
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
+    batch = repl.shard_batch(batches(1)[0])
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    lowered = repl.lower(step, state, batch)
+    hlo = lowered.compile().as_text() if optimized else lowered.as_text(dialect="hlo")
+    return hlo, param_bytes, repl.mesh
+
+
+def test_parameter_sized_traffic_crosses_islands_only_in_the_sync():
+    hlo, param_bytes, mesh = step_hlo(rp.DiLoCo(inner_steps=8))
+    got = diloco.traffic(hlo, mesh, "data")
+    ring = 2 * param_bytes * 3 / 4  # one all-reduce of the parameters' size over 4 islands
+    # Outside the sync, only scalars cross (the agreed "all finite").
+    assert got["every_step"] <= 16
+    assert got["in_branches"] == pytest.approx(ring, rel=0.01)
+    # Data parallelism all-reduces the gradients across everything, every step.
+    dp, _, _ = step_hlo(None)
+    assert diloco.traffic(dp, mesh, "data")["every_step"] >= ring
+    # bfloat16 outer gradients: half the bytes (as lowered: XLA:CPU computes bfloat16
+    # in float32, collectives included; GPUs and TPUs send it as it is).
+    narrow, _, _ = step_hlo(rp.DiLoCo(inner_steps=8, outer_dtype="bfloat16"), optimized=False)
+    got = diloco.traffic(narrow, mesh, "data")["in_branches"]
+    assert got == pytest.approx(ring / 2, rel=0.02)
+
+
+# ------------------------------------------------------------------- errors
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="inner_steps"):
+        rp.DiLoCo(inner_steps=0)
+    with pytest.raises(ValueError, match="fragments"):
+        rp.DiLoCo(inner_steps=4, fragments=5)
+    with pytest.raises(ValueError, match="overlap_steps"):
+        rp.DiLoCo(inner_steps=4, overlap_steps=4)
+    repl = rp.Replicator(mesh=ISLANDS)
+    with pytest.raises(ValueError, match="replica axes"):
+        repl.wrap_optimizer(optax.sgd(0.1), sync=rp.DiLoCo(inner_steps=2, axis="tensor"))
+    with pytest.raises(TypeError, match="rp.DiLoCo"):
+        repl.wrap_optimizer(optax.sgd(0.1), sync="diloco")
+
+
+def test_compile_is_refused_with_a_clear_message():
+    repl = rp.Replicator(mesh=ISLANDS)
+    tx = repl.wrap_optimizer(optax.sgd(0.1), sync=rp.DiLoCo(inner_steps=2))
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
+    with pytest.raises(ValueError, match="repl.run"):
+        repl.compile(step)(state, repl.shard_batch(batches(1)[0]))
+
+
+def test_outer_view_holds_the_outer_parameters():
+    state = train(ISLANDS, optax.sgd(0.1), rp.DiLoCo(inner_steps=3), steps=2)
+    view = diloco.outer_view(state)
+    assert jax.tree.map(jnp.shape, view.params) == jax.tree.map(
+        jnp.shape, state.opt_state.outer_params
+    )
+    assert view.params is state.opt_state.outer_params
+
+
+# ------------------------------------------------------------- the trainer
+
+
+def diloco_config(**overrides):
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = f"{root}/configs/digits_cnn_diloco.py"
+    spec = importlib.util.spec_from_file_location("digits_cnn_diloco", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("smoke")
+    config.update(overrides)
+    return config
+
+
+def final_state(workdir, config):
+    from replicator.trainer.setup import setup
+
+    run = setup(config)
+    ckpt = rp.Checkpoints(f"{workdir}/checkpoints", run.repl, read_only=True)
+    try:
+        return ckpt.restore(like=run.abstract_state)
+    finally:
+        ckpt.close()
+        run.close()
+
+
+def test_trainer_resumes_exactly_and_evaluates_the_outer_parameters(tmp_path, digits_data_dir):
+    from replicator import trainer
+
+    config = diloco_config(data_dir=digits_data_dir, num_train_steps=6)
+    straight = trainer.train_and_evaluate(config, str(tmp_path / "straight"), quiet=True)
+    # Stopped at step 2 (a checkpoint between syncs), then resumed to 6.
+    part = diloco_config(data_dir=digits_data_dir, num_train_steps=2)
+    trainer.train_and_evaluate(part, str(tmp_path / "resumed"), quiet=True)
+    resumed = trainer.train_and_evaluate(config, str(tmp_path / "resumed"), quiet=True)
+    assert resumed == straight
+    a, b = final_state(tmp_path / "straight", config), final_state(tmp_path / "resumed", config)
+    data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(data(x), data(y))
+    assert jax.tree.leaves(a.params)[0].shape[0] == 4  # one row per island
+
+    # eval restores only the outer parameters and gets what training reported.
+    got = trainer.evaluate(None, str(tmp_path / "straight"))
+    assert got["step"] == 6
+    assert got["accuracy"] == straight["accuracy"]
+    assert got["loss"] == pytest.approx(straight["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(diloco={"inner_step": 2}), r"unknown keys \['inner_step'\]"),
+        (dict(diloco={"axis": "data"}), "needs inner_steps"),
+        (dict(diloco={"inner_steps": 0}), r"config.diloco: DiLoCo\(inner_steps=0\)"),
+        (dict(step_path="compile"), "needs config.step_path='run'"),
+    ],
+)
+def test_bad_diloco_configs_are_named(digits_data_dir, overrides, message):
+    from replicator.trainer.setup import setup
+
+    config = diloco_config(data_dir=digits_data_dir)
+    for key, value in overrides.items():
+        setattr(config, key, value)  # replaces (update would merge into the dict)
+    with pytest.raises(ValueError, match=message):
+        setup(config)
