@@ -118,6 +118,22 @@ def global_view() -> contextlib.AbstractContextManager:
     return _binding(_GLOBAL_VIEW, True)
 
 
+_ISLAND_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "island_axis", default=None
+)
+
+
+def island_axis() -> str | None:
+    """While `Replicator.compile` traces a DiLoCo step: the island axis (the step sees
+    one island's batch, the global view inside it); else None."""
+    return _ISLAND_AXIS.get()
+
+
+def island_view(axis: str) -> contextlib.AbstractContextManager:
+    """While `Replicator.compile` traces a step once per DiLoCo island."""
+    return _binding(_ISLAND_AXIS, axis)
+
+
 def replica_key(key: jax.Array) -> jax.Array:
     """A PRNG key of this replica's own, for dropout or noise that must differ per replica.
 

@@ -20,10 +20,13 @@ change::
   state, loss = repl.run(train_step, state, batch)         # per-replica step, unchanged
 
 The islands' parameters differ, so `rp.TrainState`'s ``params`` and the inner
-optimizer state travel through `Replicator.run` as per-replica values, one row
-per replica (run places a fresh state that way itself); the outer parameters
-(`DiLoCoState.outer_params`, what to evaluate) are mirrored. `outer_view` gives
-a train state with the outer parameters in place of the islands'.
+optimizer state travel through `Replicator.run` (and `Replicator.compile`, which
+runs such a step once per island in the global view of its batch) as
+per-island values, one row per island (placed so from a fresh state
+automatically); the outer parameters (`DiLoCoState.outer_params`, what to
+evaluate) are mirrored. `outer_view` gives a train state with the outer
+parameters in place of the islands'. `ElasticIslands` runs one island per
+process, for islands that may die.
 
 Streaming DiLoCo's knobs: ``fragments`` syncs the parameters in that many
 groups at staggered steps (peak traffic / fragments); ``overlap_steps`` applies
@@ -35,6 +38,7 @@ gradient in a narrow dtype (e.g. bfloat16) and accumulates it in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, NamedTuple
@@ -49,6 +53,7 @@ from replicator import zero
 from replicator.context import (
     get_replica_context,
     in_global_view,
+    island_axis,
     sum_varying,
     vary,
     varying_axes,
@@ -79,6 +84,8 @@ class DiLoCo:
       outer_dtype: the dtype the outer gradient crosses the islands in (e.g.
         ``"bfloat16"``: half the bytes); summed in float32. None: the
         parameters' dtype, all-reduced.
+      elastic: islands are processes that may die, synced on the host by
+        `ElasticIslands` (the step itself never syncs); see `ElasticIslands`.
     """
 
     inner_steps: int
@@ -88,6 +95,7 @@ class DiLoCo:
     overlap_steps: int = 0
     mix: float = 0.5
     outer_dtype: Any = None
+    elastic: bool = False
 
     def __post_init__(self):
         h = self.inner_steps
@@ -106,8 +114,10 @@ class DiLoCo:
             raise ValueError(f"DiLoCo(mix={self.mix!r}): use a weight in (0, 1].")
         if self.outer_dtype is not None:
             jnp.dtype(self.outer_dtype)  # a clear numpy error for a bad name
+        if self.elastic and (self.fragments, self.overlap_steps) != (1, 0):
+            raise ValueError("DiLoCo(elastic=True) syncs whole: use fragments=1, overlap_steps=0.")
 
-    @property
+    @functools.cached_property
     def outer(self) -> optax.GradientTransformation:
         """The outer optimizer."""
         if self.outer_optimizer is not None:
@@ -167,17 +177,21 @@ def wrap(
     def update_fn(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("DiLoCo needs the parameters: call tx.update(grads, state, params).")
-        island, inner_axes, islands = _islands(policy, axis_names, grads)
+        island, inner_axes, islands, scale = _islands(policy, axis_names, grads)
 
         def reduce(mine, theirs):  # the islands' mean outer gradient
             return _mean_over_islands(mine, theirs, island, islands, policy.outer_dtype)
 
         grads = jax.tree.map(lambda g: sum_varying(g, inner_axes), grads)
-        if islands > 1:  # the island's mean: losses are scaled by the global batch
-            grads = jax.tree.map(lambda g: g * islands, grads)
+        if scale > 1:
+            grads = jax.tree.map(lambda g: g * scale, grads)
         updates, inner = tx.update(grads, state.inner, params, **extra)
         local = optax.apply_updates(params, updates)
         count = state.count + 1
+        if policy.elastic:  # synced between steps, on the host (ElasticIslands)
+            return updates, state._replace(
+                inner=inner, count=count, synced=jnp.zeros_like(state.synced)
+            )
         leaves, treedef = jax.tree.flatten(local)
         outer_leaves = jax.tree.leaves(state.outer_params)
         outer_states, synced, pending = list(state.outer), [], list(state.pending)
@@ -225,12 +239,14 @@ def wrap(
 
 
 def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
-    """The island axis (None: one island), the axes inside an island, and how many islands."""
-    if in_global_view():
-        raise ValueError(
-            "DiLoCo under repl.compile: the global view has one replica and no islands. "
-            "Run the step with repl.run (the trainer: step_path='run')."
-        )
+    """The island axis (None: one island), the axes inside an island, how many
+    islands, and by what to scale the gradients to the island's mean."""
+    if in_global_view():  # repl.compile: the step sees one island's batch, or all
+        axis = island_axis()
+        if axis is None or policy.elastic:
+            return None, (), 1, 1
+        islands = jax.lax.axis_size(axis)  # losses scaled by the global batch, as in run
+        return axis, (), islands, islands
     if zero.active():
         raise ValueError(
             "DiLoCo with parameters sharded over the replica axes (ZeRO under repl.run) is "
@@ -238,9 +254,9 @@ def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
             "without fsdp, or rules that leave them replicated)."
         )
     ctx = get_replica_context()
-    if ctx is None or policy.axis not in ctx.axis_name:
+    if ctx is None or policy.axis not in ctx.axis_name or policy.elastic:
         # Plain jax.jit on one device, or an island axis of size 1: one island.
-        return None, tuple(ctx.axis_name) if ctx else (), 1
+        return None, tuple(ctx.axis_name) if ctx else (), 1, 1
     islands = jax.lax.axis_size(policy.axis)
     inner = tuple(a for a in axis_names if a != policy.axis)
     for g in jax.tree.leaves(grads):
@@ -252,7 +268,8 @@ def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
                 "island. Keep them (and the inner optimizer state) in an rp.TrainState: "
                 "run places it that way itself, from its DiLoCo optimizer state."
             )
-    return policy.axis, inner, islands
+    # Losses are scaled by the global batch: the island's sum is 1/islands of its mean.
+    return policy.axis, inner, islands, islands
 
 
 def _mean_over_islands(mine, theirs, island, islands, dtype) -> list:
@@ -406,10 +423,117 @@ def outer_bytes(tree: PyTree) -> int:
     return sum(x.nbytes for s in states for x in jax.tree.leaves(s.opt_state.outer_params))
 
 
+def has_states(tree: PyTree) -> bool:
+    """Whether ``tree`` holds a DiLoCo train state."""
+    return any(_is_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_state))
+
+
 def _is_state(x: Any) -> bool:
     """Whether ``x`` is a train state under DiLoCo: an `rp.TrainState` (or any object
     with ``params``, ``replace`` and a `DiLoCoState` as ``opt_state``)."""
     return isinstance(getattr(x, "opt_state", None), DiLoCoState) and hasattr(x, "replace")
+
+
+# ------------------------------------------------------------------ elastic
+
+
+class ElasticIslands:
+    """DiLoCo across processes that may die: each process is one island.
+
+    Each process trains on its own devices (``rp.Replicator(devices=
+    jax.local_devices())``, data parallelism inside the island) with
+    ``repl.wrap_optimizer(tx, sync=policy)`` where ``policy.elastic`` is set;
+    every ``inner_steps`` the loop calls `sync`, which averages the islands'
+    outer gradients over the processes alive at that moment (membership check,
+    then one mean through JAX's coordination service:
+    `replicator.runtime.elastic.LiveGroup`) and applies the outer step. An
+    island that died is dropped at the next sync and the survivors finish the
+    run with the same parameters, bitwise. A sync that cannot complete within
+    ``timeout_s`` raises `SyncTimeout` naming the missing processes; exit with
+    ``EXIT_SYNC_TIMEOUT`` and restart from the last checkpoint.
+
+    Start the processes with ``rp.initialize(recoverable=True,
+    heartbeat_timeout_s=...)``: a process counts as dead after that long
+    without a heartbeat. Process 0 must survive (it serves the coordination
+    service; when it dies, every process stops).
+
+    Args:
+      policy: the `DiLoCo` policy given to ``wrap_optimizer`` (``elastic=True``).
+      timeout_s: the longest one sync may take.
+      poll_s: how often a waiting sync checks who is alive.
+    """
+
+    def __init__(self, policy: DiLoCo, *, timeout_s: float = 120.0, poll_s: float = 1.0):
+        from replicator.runtime.elastic import LiveGroup
+
+        if not policy.elastic:
+            raise ValueError("ElasticIslands needs DiLoCo(..., elastic=True).")
+        self.policy = policy
+        self.group = LiveGroup(timeout_s=timeout_s, poll_s=poll_s, prefix="diloco")
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The processes that took part in the last sync."""
+        return self.group.members
+
+    def sync(self, tree: PyTree) -> PyTree:
+        """Every DiLoCo train state in ``tree`` after a sync over the live islands."""
+        return jax.tree.map(
+            lambda x: apply_mean_delta(self.policy, x, self.group.mean(island_delta(x)))
+            if _is_state(x) else x,
+            tree,
+            is_leaf=_is_state,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Leaves the run in an order JAX's runtime survives (process 0 last)."""
+        self.group.close()
+
+
+def island_delta(state: Any) -> np.ndarray:
+    """This island's outer gradient ``outer - island``: one float32 vector on the host."""
+    return np.asarray(jax.device_get(_delta(state.params, state.opt_state.outer_params)))
+
+
+@jax.jit
+def _delta(params, outer):
+    parts = [
+        (o.astype(jnp.float32) - p.astype(jnp.float32)).ravel()
+        for p, o in zip(jax.tree.leaves(params), jax.tree.leaves(outer))
+    ]
+    return jnp.concatenate(parts)
+
+
+def apply_mean_delta(policy: DiLoCo, state: Any, mean: np.ndarray) -> Any:
+    """``state`` after the outer step on the islands' mean outer gradient ``mean``
+    (from `island_delta` of each island): new outer parameters, and the island's
+    parameters set to them exactly."""
+    count = int(jax.device_get(state.opt_state.count))
+    if count % policy.inner_steps:
+        raise ValueError(
+            f"An elastic sync after {count} inner steps; sync every inner_steps="
+            f"{policy.inner_steps} steps."
+        )
+    return _outer_step(policy.outer, state, mean)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _outer_step(outer_tx, state, mean):
+    leaves = jax.tree.leaves(state.opt_state.outer_params)
+    sizes = [x.size for x in leaves]
+    pieces = jnp.split(mean, np.cumsum(sizes)[:-1]) if len(leaves) > 1 else [mean]
+    delta = [p.reshape(x.shape) for p, x in zip(pieces, leaves)]
+    mine = jax.tree.leaves(state.params)
+    mine, new, outer = _apply_outer(outer_tx, delta, mine, leaves, state.opt_state.outer[0], 1.0)
+    treedef = jax.tree.structure(state.params)
+    return state.replace(
+        params=jax.tree.unflatten(treedef, mine),
+        opt_state=state.opt_state._replace(
+            outer_params=jax.tree.unflatten(treedef, new),
+            outer=(outer,),
+            synced=jnp.ones_like(state.opt_state.synced),
+        ),
+    )
 
 
 # ------------------------------------------------------------------ traffic

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from replicator.context import (
     get_replica_context,
+    island_axis,
     note_global_batch_loss,
     num_microbatches,
     vary,
@@ -68,8 +69,9 @@ def compute_average_loss(
         loss = loss * weight.astype(loss.dtype)
     note_global_batch_loss()
     if global_batch_size is None:
-        ctx = get_replica_context()
-        replicas = ctx.num_replicas if ctx else 1
+        ctx, island = get_replica_context(), island_axis()
+        # compile under DiLoCo sees one island's batch of the global one.
+        replicas = ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1
         global_batch_size = loss.shape[0] * replicas * num_microbatches()
     return jnp.sum(loss) / jnp.asarray(global_batch_size, loss.dtype)
 
@@ -110,7 +112,9 @@ def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
     2.0
     """
     total = jnp.sum(jnp.asarray(x))
-    ctx = get_replica_context()
+    ctx, island = get_replica_context(), island_axis()
+    if ctx is None and island is not None:  # compile under DiLoCo: add up the islands
+        return jax.lax.psum(vary(total, (island,)), island)
     if ctx is None:
         return total
     # A replica-invariant value is counted once per replica.

@@ -52,7 +52,7 @@ def wrap_optimizer(
       A transformation with exactly ``tx``'s state (so checkpoints of wrapped and
       plain optimizers are interchangeable), correct on both `Replicator.run` and
       `Replicator.compile`; under DiLoCo, a `replicator.diloco.DiLoCoState`
-      around it, for `Replicator.run` only.
+      around it.
     """
     axis_names = tuple(axis_names)
     tx = optax.with_extra_args_support(tx)

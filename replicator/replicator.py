@@ -39,6 +39,8 @@ from replicator.context import (
     get_replica_context,
     global_view,
     in_global_view,
+    island_axis,
+    island_view,
     replica_context,
     vary,
     varying_axes,
@@ -727,7 +729,12 @@ class Replicator:
             axes = ctx.axis_name
             return jax.tree.map(lambda x: collective(vary(x, axes), axes), value)
         if in_global_view():
-            return value
+            island = island_axis()
+            if island is None:
+                return value
+            # compile under DiLoCo: each island's global view; combine the islands.
+            collective = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
+            return jax.tree.map(lambda x: collective(vary(x, (island,)), island), value)
 
         def check(x):
             if np.ndim(x) < 1 or np.shape(x)[0] != self.num_replicas:
@@ -759,7 +766,7 @@ class Replicator:
         ``sync=rp.DiLoCo(inner_steps=H)`` trains islands instead (the replicas
         along ``DiLoCo.axis``): gradients are summed inside each island, and the
         islands average their parameters through an outer optimizer every H
-        steps (`replicator.diloco`; `run` only).
+        steps (`replicator.diloco`; under `run` and `compile`).
         """
         if sync is not None:
             if not isinstance(sync, diloco.DiLoCo):
@@ -769,8 +776,10 @@ class Replicator:
                     f"DiLoCo(axis={sync.axis!r}): islands are replicas along one of the "
                     f"replica axes {DATA_AXES}."
                 )
-            # run places DiLoCo train states per island (when there are several).
-            self._island_axis = sync.axis if self.mesh.shape[sync.axis] > 1 else None
+            # run places DiLoCo train states per island (when there are several);
+            # elastic islands are processes, and this Replicator's replicas one island.
+            several = self.mesh.shape[sync.axis] > 1 and not sync.elastic
+            self._island_axis = sync.axis if several else None
         return optim.wrap_optimizer(tx, self.axis_name, sync)
 
     def apply_policy(self, model: Any) -> Any:
@@ -887,7 +896,111 @@ class Replicator:
 
         step.jitted, step.lower = plain, lower  # jitted: the jax.jit object in use
         step.__name__ = getattr(fn, "__name__", "step")
+        if self._island_axis is None:
+            return step
+        # DiLoCo: a step given islands' train states runs once per island.
+        islands = self._compile_islands(fn, _as_positions(donate_argnums), compiler_options)
+
+        def either(*args, **kwargs):
+            if diloco.has_states(args):
+                return islands(*args, **kwargs)
+            return step(*args, **kwargs)
+
+        def lower_either(*args, **kwargs) -> jax.stages.Lowered:
+            if diloco.has_states(args):
+                return islands.lower(*args, **kwargs)
+            return lower(*args, **kwargs)
+
+        either.jitted, either.lower = plain, lower_either
+        either.__name__ = step.__name__
+        return either
+
+    def _compile_islands(self, fn: Callable, donate: tuple[int, ...], compiler_options) -> Callable:
+        """`compile` under DiLoCo: ``fn`` in the global view of each island, as one
+        program manual over the island axis only (``shard_map``; the other axes
+        stay with the compiler). Per-island values (the islands' parameters and
+        inner state) go in and come out one row per island, as under `run`."""
+        island, cache = self._island_axis, {}
+        options = {**(self._compiler_options or {}), **(compiler_options or {})} or None
+
+        def prepare(args):
+            args = diloco.island_args(args, self.mesh.shape[island], self._island_rows)
+            flat, treedef = jax.tree.flatten(args)
+            rows = tuple(pr.known_kind(x) is Kind.PER_ISLAND for x in flat)
+            specs = tuple(
+                P(island) if row
+                else zero.manual_spec(x.sharding, (island,))
+                if isinstance(getattr(x, "sharding", None), NamedSharding)
+                else P()
+                for x, row in zip(flat, rows)
+            )  # fmt: skip
+            key = (treedef, rows, specs)
+            if key not in cache:
+                program, meta = self._island_program(fn, treedef, rows, specs)
+                positions = _leaf_positions(args, donate)
+                program = jax.jit(program, donate_argnums=positions, compiler_options=options)
+                cache[key] = program, meta
+            return (*cache[key], flat)
+
+        def step(*args, **kwargs):
+            if kwargs:
+                raise TypeError("repl.compile under DiLoCo takes positional arguments.")
+            program, meta, flat = prepare(args)
+            out = self._in_flight.dispatch(program, *flat)
+            for i in meta["per_island"]:
+                pr.remember(out[i], Kind.PER_ISLAND)
+            return jax.tree.unflatten(meta["tree"], out)
+
+        def lower(*args, **kwargs) -> jax.stages.Lowered:
+            del kwargs
+            program, _, flat = prepare(args)
+            return program.lower(*flat)
+
+        step.lower = lower
+        step.__name__ = getattr(fn, "__name__", "step")
         return step
+
+    def _island_program(self, fn: Callable, treedef, rows: tuple, specs: tuple):
+        island, meta = self._island_axis, {}
+        shard_map = lambda body, out_specs: jax.shard_map(
+            body, mesh=self.mesh, in_specs=specs, out_specs=out_specs,
+            axis_names={island}, check_vma=True,
+        )  # fmt: skip
+
+        def call(*local):
+            leaves = [x[0] if row else x for x, row in zip(local, rows)]
+            with global_view(), island_view(island):
+                out = fn(*jax.tree.unflatten(treedef, leaves))
+            leaves, tree = jax.tree.flatten(out)
+            return leaves, tree
+
+        def program(*flat):
+            found = {}
+
+            def probe(*local):
+                leaves, found["tree"] = call(*local)
+                found["island"] = [bool(varying_axes(x, (island,))) for x in leaves]
+                return ()
+
+            jax.eval_shape(shard_map(probe, ()), *flat)
+            per_island = found["island"]
+
+            def body(*local):
+                leaves, _ = call(*local)
+                return tuple(x[None] if i else x for x, i in zip(leaves, per_island))
+
+            out_specs = tuple(P(island) if i else P() for i in per_island)
+            meta["tree"] = found["tree"]
+            meta["per_island"] = [k for k, i in enumerate(per_island) if i]
+            out = shard_map(body, out_specs)(*flat)
+            split = NamedSharding(self.mesh, P(island))
+            return tuple(
+                jax.lax.with_sharding_constraint(x, split if i else self.mirrored_sharding)
+                for x, i in zip(out, per_island)
+            )
+
+        program.__name__ = f"islands_{getattr(fn, '__name__', 'step')}"
+        return program, meta
 
     def _bind_replica_axes(self, error: NameError, current: list, plain: Callable) -> bool:
         """Whether a compiled step's unbound-axis error means: trace again with the

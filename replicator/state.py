@@ -21,7 +21,13 @@ import optax
 from flax import struct
 
 from replicator import diloco
-from replicator.context import get_replica_context, microbatching, vary, varying_axes
+from replicator.context import (
+    get_replica_context,
+    island_axis,
+    microbatching,
+    vary,
+    varying_axes,
+)
 from replicator.precision import LossScale, Policy, get_policy
 
 PyTree = Any
@@ -210,8 +216,8 @@ def _agreed(finite: jax.Array) -> jax.Array:
     already all-reduced, so it is; per-replica parameters (DiLoCo's islands) give
     each replica its own gradients, and one replica's overflow must skip the
     update everywhere, or the replicas would drift apart and miss a sync."""
-    ctx = get_replica_context()
-    axes = varying_axes(finite, ctx.axis_name) if ctx else ()
+    ctx, island = get_replica_context(), island_axis()
+    axes = varying_axes(finite, ctx.axis_name if ctx else (island,) if island else ())
     if not axes:
         return finite
     return jax.lax.psum((~finite).astype(jnp.int32), axes) == 0

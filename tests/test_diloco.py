@@ -114,6 +114,38 @@ def test_gradient_accumulation_equals_one_big_batch():
     close(got.opt_state.outer_params, want.opt_state.outer_params, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_islands(precision):
+    """Under a bf16/fp16 policy the model computes in 16 bits, the parameters, the
+    outer parameters and the sync stay float32, and fp16's loss scale is one for all."""
+    repl = rp.Replicator(mesh=ISLANDS, precision=precision)
+    tx = repl.wrap_optimizer(optax.adam(1e-2), sync=rp.DiLoCo(inner_steps=2))
+    model = repl.apply_policy(MLP())
+
+    def step(state, batch):
+        def loss(params, batch):
+            out = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
+            return rp.compute_average_loss(jnp.mean((out - batch["y"]) ** 2, axis=-1))
+
+        value, grads = state.value_and_grad(loss, batch)
+        return state.apply_gradients(grads, tx), value
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = repl.replicate(
+        rp.TrainState.create(params, tx, jax.random.key(0), policy=repl.precision)
+    )
+    for batch in batches(4):
+        state, loss = repl.run(step, state, repl.shard_batch(batch), donate_argnums=(0,))
+    assert np.isfinite(np.asarray(loss)).all()
+    for tree in (state.params, state.opt_state.outer_params):
+        assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype(jnp.float32)}
+    for p, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state.outer_params)):
+        for row in range(4):  # step 4 synced: every island holds the outer parameters
+            np.testing.assert_array_equal(np.asarray(p[row]), np.asarray(o))
+    if precision == "fp16":
+        assert np.shape(state.loss_scale.scale) == ()  # one scale, agreed by all islands
+
+
 def test_fragments_sync_in_turn():
     sync = rp.DiLoCo(inner_steps=4, fragments=2, outer_optimizer=optax.sgd(1.0))
     log = {}
@@ -218,18 +250,36 @@ def test_bad_settings_are_named():
         repl.wrap_optimizer(optax.sgd(0.1), sync="diloco")
 
 
-def test_compile_is_refused_with_a_clear_message():
-    repl = rp.Replicator(mesh=ISLANDS)
-    tx = repl.wrap_optimizer(optax.sgd(0.1), sync=rp.DiLoCo(inner_steps=2))
+def test_compile_equals_run():
+    """Under compile each island's step is the global view of its batch (one program
+    manual over the island axis): the same training as per replica under run."""
 
-    def step(state, batch):
-        loss, grads = state.value_and_grad(loss_fn, batch)
-        return state.apply_gradients(grads, tx), loss
+    def train_on(path):
+        repl = rp.Replicator(mesh=ISLANDS)
+        tx = repl.wrap_optimizer(optax.adam(1e-2), sync=rp.DiLoCo(inner_steps=2))
 
-    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
-    state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
-    with pytest.raises(ValueError, match="repl.run"):
-        repl.compile(step)(state, repl.shard_batch(batches(1)[0]))
+        def step(state, batch):
+            loss, grads = state.value_and_grad(loss_fn, batch)
+            return state.apply_gradients(grads, tx), repl.reduce(rp.ReduceOp.SUM, loss)
+
+        params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+        state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
+        compiled = repl.compile(step, donate_argnums=(0,))
+        losses = []
+        for batch in batches(5):
+            batch = repl.shard_batch(batch)
+            if path == "compile":
+                state, loss = compiled(state, batch)
+            else:
+                state, loss = repl.run(step, state, batch, donate_argnums=(0,))
+            losses.append(float(loss))
+        return state, losses
+
+    (a, loss_a), (b, loss_b) = train_on("run"), train_on("compile")
+    assert jax.tree.leaves(b.params)[0].shape[0] == 4  # one row per island, as under run
+    close(a.params, b.params, atol=1e-6)
+    close(a.opt_state.outer_params, b.opt_state.outer_params, atol=1e-6)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
 
 
 def test_outer_view_holds_the_outer_parameters():
@@ -299,7 +349,7 @@ def test_trainer_resumes_exactly_and_evaluates_the_outer_parameters(tmp_path, di
         (dict(diloco={"inner_step": 2}), r"unknown keys \['inner_step'\]"),
         (dict(diloco={"axis": "data"}), "needs inner_steps"),
         (dict(diloco={"inner_steps": 0}), r"config.diloco: DiLoCo\(inner_steps=0\)"),
-        (dict(step_path="compile"), "needs config.step_path='run'"),
+        (dict(diloco={"inner_steps": 2, "elastic": True}), "custom loop"),
     ],
 )
 def test_bad_diloco_configs_are_named(digits_data_dir, overrides, message):
@@ -310,3 +360,17 @@ def test_bad_diloco_configs_are_named(digits_data_dir, overrides, message):
         setattr(config, key, value)  # replaces (update would merge into the dict)
     with pytest.raises(ValueError, match=message):
         setup(config)
+
+
+def test_trainer_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
+    from replicator import trainer
+
+    results = {
+        path: trainer.train_and_evaluate(
+            diloco_config(data_dir=digits_data_dir, step_path=path), str(tmp_path / path),
+            quiet=True,
+        )
+        for path in ("run", "compile")
+    }  # fmt: skip
+    assert results["compile"]["loss"] == pytest.approx(results["run"]["loss"], rel=1e-4)
+    assert results["compile"]["accuracy"] == pytest.approx(results["run"]["accuracy"], abs=0.01)

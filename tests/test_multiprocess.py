@@ -365,6 +365,25 @@ def test_launch_runs_any_command():
     assert "cannot run 'no-such-program': no such program on PATH" in missing.stderr
 
 
+def test_launch_restarts_a_failed_run(tmp_path):
+    """--restarts: the first run fails (process 1 exits 3), the second finds what the
+    first left behind (a checkpoint, here a file) and succeeds."""
+    marker = tmp_path / "first_attempt_done"
+    script = (
+        f"if [ $REPLICATOR_PROCESS_ID = 1 ] && [ ! -e {marker} ]; then touch {marker}; "
+        "exit 3; fi; echo attempt ok"
+    )
+    done = run(replicator_cmd("launch", "local", "--processes", "2", "--restarts", "1", "--",
+                              "sh", "-c", script))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "the run failed (exit code 3); restart 1 of 1" in done.stderr
+    assert done.stdout.count("attempt ok") >= 2
+    never = run(replicator_cmd("launch", "local", "--processes", "2", "--restarts", "2", "--",
+                               "sh", "-c", "exit 4"))  # fmt: skip
+    assert never.returncode == 4
+    assert "restart 2 of 2" in never.stderr
+
+
 def test_resolve_command():
     assert doctest.testmod(launch).failed == 0
     assert launch.resolve_command(["eval", "--step", "3"], "py") == [
@@ -450,3 +469,66 @@ def test_diloco_islands_on_two_processes_train_like_one(tmp_path, digits_data_di
         assert a["step"] == b["step"]
         assert a.get("loss") == pytest.approx(b.get("loss"), abs=1e-6)
     assert ours[-1]["accuracy"] == reference[-1]["accuracy"]
+
+
+ELASTIC = ["python", "tests/programs/elastic_diloco.py"]
+
+
+def launch_elastic(out, *args, timeout=240):
+    cmd = replicator_cmd(
+        "launch", "local", "--elastic", "--processes", "3", "--devices-per-process", "2",
+        "--", *ELASTIC, str(out), *args,
+    )  # fmt: skip
+    return run(cmd, timeout=timeout)
+
+
+def islands_saved(out):
+    return {
+        int(name[len("island") : -len(".npz")]): dict(np.load(os.path.join(out, name)))
+        for name in sorted(os.listdir(out))
+    }
+
+
+def test_elastic_islands_survive_a_killed_island_exactly(tmp_path):
+    """Island 2 is SIGKILLed after step 7 (between the syncs of steps 6 and 9): the two
+    survivors finish, bitwise equal to one process that drops island 2 from then on."""
+    done = launch_elastic(tmp_path / "run", "--die-island", "2", "--die-at-step", "7")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "process 2 died (signal 9)" in done.stderr
+    assert "island 0 finished with islands [0, 1]" in done.stdout
+    reference = run(
+        [sys.executable, *ELASTIC[1:], str(tmp_path / "ref"), "--reference", "3",
+         "--die-island", "2", "--die-at-step", "7"],
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, want = islands_saved(tmp_path / "run"), islands_saved(tmp_path / "ref")
+    assert sorted(got) == sorted(want) == [0, 1]
+    for k in (0, 1):
+        for name in want[k]:
+            np.testing.assert_array_equal(got[k][name], want[k][name])
+
+
+def test_elastic_kill_inside_a_sync_never_hangs_the_others(tmp_path):
+    """Island 2 dies in the middle of a sync, after sending its outer gradient: the
+    survivors agree on one result (with or without it) and finish."""
+    start = time.monotonic()
+    done = launch_elastic(tmp_path, "--die-island", "2", "--die-in-sync", "2", "--timeout", "60")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert time.monotonic() - start < 120
+    got = islands_saved(tmp_path)
+    assert sorted(got) == [0, 1]
+    for name in got[0]:
+        np.testing.assert_array_equal(got[0][name], got[1][name])
+
+
+def test_elastic_sync_that_cannot_complete_exits_naming_the_missing(tmp_path):
+    """Island 2 is alive but stuck in a sync: the others give up after the timeout with
+    the sync-timeout exit code, naming it."""
+    from replicator.runtime.elastic import EXIT_SYNC_TIMEOUT
+
+    start = time.monotonic()
+    done = launch_elastic(tmp_path, "--die-island", "2", "--hang-in-sync", "1", "--timeout", "8")
+    assert done.returncode == EXIT_SYNC_TIMEOUT, done.stdout[-3000:]
+    assert "processes [2] never reached it" in done.stdout
+    assert time.monotonic() - start < 90  # 8 s timeout, the launcher's 30 s grace, startup

@@ -86,6 +86,8 @@ def launch_local(
     devices_per_process: int,
     grace_s: float = 30.0,
     python: str = sys.executable,
+    elastic: bool = False,
+    restarts: int = 0,
 ) -> int:
     """Runs ``command`` (see `resolve_command`) as ``processes`` local processes.
 
@@ -97,9 +99,34 @@ def launch_local(
     process fails, the others are stopped (SIGTERM, then SIGKILL after
     ``grace_s``) and the exit code is non-zero.
 
+    With ``elastic`` (DiLoCo's elastic islands, `replicator.diloco.ElasticIslands`)
+    a process other than 0 that dies is reported and the others go on; process
+    0 failing still stops them all (it serves JAX's coordination service).
+
+    With ``restarts``, a failed run is started again, all processes, up to that
+    many times: ``train`` resumes from its last checkpoint (a custom loop from
+    its own), e.g. after a sync timeout of elastic islands or the loss of
+    process 0.
+
     Returns:
-      0 if every process succeeded, else the first failure's exit code (or 1).
+      0 if every process succeeded (elastic: process 0 and every process that
+      did not die of a signal), else the first failure's exit code (or 1).
     """
+    code = _launch_once(command, processes, devices_per_process, grace_s, python, elastic)
+    for attempt in range(1, restarts + 1):
+        if code == 0:
+            break
+        print(
+            f"launch: the run failed (exit code {code}); restart {attempt} of {restarts}, "
+            "from the last checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = _launch_once(command, processes, devices_per_process, grace_s, python, elastic)
+    return code
+
+
+def _launch_once(command, processes, devices_per_process, grace_s, python, elastic) -> int:
     argv = resolve_command(command, python)
     port = free_port_pair()
     env = dict(os.environ)
@@ -137,7 +164,7 @@ def launch_local(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = _supervise(procs, grace_s)
+        code = _supervise(procs, grace_s, elastic)
         for reader in readers:  # the processes' last lines, still in the pipes
             reader.join(timeout=5)
         return code
@@ -146,10 +173,23 @@ def launch_local(
             signal.signal(sig, handler)
 
 
-def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
+def _supervise(procs: list[subprocess.Popen], grace_s: float, elastic: bool = False) -> int:
+    lost: set[int] = set()
     while True:
         codes = [proc.poll() for proc in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0) and i not in lost]
+        if elastic:  # a killed island is survivable; a failing program or process 0 is not
+            for i, code in failed:
+                if i != 0 and code < 0:
+                    print(
+                        f"launch: process {i} died (signal {-code}); the others go on "
+                        "without it (--elastic).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    lost.add(i)
+            failed = [(i, c) for i, c in failed if i not in lost]
+            codes = [0 if i in lost else c for i, c in enumerate(codes)]
         if failed:
             i, code = failed[0]
             print(
@@ -291,6 +331,17 @@ def main(argv: Sequence[str]) -> int:
     local.add_argument(
         "--devices-per-process", type=int, default=1, help="fake CPU devices in each process"
     )
+    local.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="start a failed run again (all processes, from the last checkpoint) up to N times",
+    )
+    local.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a process (not 0) killed by a signal does not stop the others (DiLoCo islands)",
+    )
     tpu = add_parser("tpu", "every worker of a Cloud TPU VM pod")
     tpu.add_argument("--tpu", required=True)
     tpu.add_argument("--zone", required=True)
@@ -314,7 +365,11 @@ def main(argv: Sequence[str]) -> int:
     if args.where == "local":
         try:
             return launch_local(
-                command, processes=args.processes, devices_per_process=args.devices_per_process
+                command,
+                processes=args.processes,
+                devices_per_process=args.devices_per_process,
+                elastic=args.elastic,
+                restarts=args.restarts,
             )
         except FileNotFoundError as e:
             parser.error(str(e))

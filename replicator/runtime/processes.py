@@ -59,7 +59,13 @@ def detect_process_group(
     return ProcessGroup(coordinator_address, num_processes, process_id, source)
 
 
-def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300.0) -> None:
+def initialize_distributed(
+    group: ProcessGroup | None,
+    *,
+    timeout_s: float = 300.0,
+    recoverable: bool = False,
+    heartbeat_timeout_s: int = 100,
+) -> None:
     """Joins the multi-process run (`jax.distributed.initialize`); nothing for one process.
 
     Before handing over to JAX, the processes meet at a rendezvous on the
@@ -71,11 +77,16 @@ def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300
     Args:
       group: from `detect_process_group`; None means a single process.
       timeout_s: how long to wait for every process to arrive.
+      recoverable: the others go on when a process dies (JAX's
+        ``jax_enable_recoverability``), for `replicator.runtime.elastic`.
+      heartbeat_timeout_s: after how long without a heartbeat a process is dead.
     """
     if group is None:
         return
     rendezvous.meet(group, timeout_s=timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if recoverable:
+        jax.config.update("jax_enable_recoverability", True)
     host, port = split_address(group.coordinator_address)
     jax.distributed.initialize(
         coordinator_address=group.coordinator_address,
@@ -83,6 +94,7 @@ def initialize_distributed(group: ProcessGroup | None, *, timeout_s: float = 300
         process_id=group.process_id,
         initialization_timeout=max(int(timeout_s), 1),
         coordinator_bind_address=_bind_address(host, port),
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
 
 
@@ -92,6 +104,8 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     timeout_s: float = 300.0,
+    recoverable: bool = False,
+    heartbeat_timeout_s: int = 100,
 ) -> ProcessGroup | None:
     """Joins the process group this process was started in; call it first.
 
@@ -111,6 +125,12 @@ def initialize(
       num_processes: how many processes take part.
       process_id: this process, in ``[0, num_processes)``.
       timeout_s: how long to wait for every process to arrive.
+      recoverable: keep going when another process dies (JAX's
+        ``jax_enable_recoverability``): for DiLoCo's elastic islands
+        (`replicator.diloco.ElasticIslands`), which run no computation across
+        processes. Process 0 must survive: it serves the coordination service.
+      heartbeat_timeout_s: after how long without a heartbeat a process counts
+        as dead (JAX's default: 100).
 
     Returns:
       The `ProcessGroup` joined, or None for a single process.
@@ -154,7 +174,12 @@ def initialize(
                 f"{group.num_processes} ({group.source}) can no longer join. Call "
                 "rp.initialize() at the top of the script, right after the imports."
             )
-        initialize_distributed(group, timeout_s=timeout_s)
+        initialize_distributed(
+            group,
+            timeout_s=timeout_s,
+            recoverable=recoverable,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
     _joined = group
     return group
 

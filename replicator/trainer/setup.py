@@ -112,10 +112,6 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     """
     config = config_lib.validate(config)
     sync = sync_policy(config)
-    if sync is not None and config.step_path == "compile":
-        raise ValueError(
-            "config.diloco trains islands per replica: it needs config.step_path='run'."
-        )
     repl = Replicator(
         devices=devices,
         mesh=dict(config.mesh),
@@ -179,6 +175,12 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
         )
     if "inner_steps" not in options:
         raise ValueError("config.diloco needs inner_steps, e.g. dict(inner_steps=50).")
+    if options.get("elastic"):
+        raise ValueError(
+            "config.diloco.elastic: the trainer's checkpoints and stop agreement wait for "
+            "every process, so elastic islands run in a custom loop "
+            "(rp.diloco.ElasticIslands; see the guide)."
+        )
     if rate is not None or momentum is not None:
         options["outer_optimizer"] = optax.sgd(
             0.7 if rate is None else rate, momentum=0.9 if momentum is None else momentum,
