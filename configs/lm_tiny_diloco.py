@@ -16,30 +16,13 @@ here), about 60 s on a 2-core CPU with 8 fake devices.
 Smoke mode for tests: ``--config configs/lm_tiny_diloco.py:smoke``.
 """
 
-import importlib.util
-import os
-
 import ml_collections
-from ml_collections.config_dict import placeholder
+
+from replicator.trainer.config import config_beside, diloco_settings
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_tiny.py")
-    spec = importlib.util.spec_from_file_location("lm_tiny", path)
-    lm_tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm_tiny)
-    c = lm_tiny.get_config(mode)
+    c = config_beside(__file__, "lm_tiny.py", mode)
     c.mesh = dict(data=4, fsdp=2, tensor=1)  # 4 islands x 2 replicas: needs 8 devices
-    c.diloco = ml_collections.ConfigDict(
-        dict(
-            inner_steps=2 if mode == "smoke" else 10,
-            axis="data",
-            outer_learning_rate=0.7,
-            outer_momentum=0.9,
-            fragments=1,
-            overlap_steps=0,
-            mix=0.5,
-            outer_dtype=placeholder(str),
-        )
-    )
+    c.diloco = diloco_settings(inner_steps=2 if mode == "smoke" else 10)
     return c

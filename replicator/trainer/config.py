@@ -121,6 +121,41 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def diloco_settings(**values: Any) -> ml_collections.ConfigDict:
+    """``config.diloco`` with every key and its default, ``values`` on top, so each
+    can be overridden (``--config.diloco.inner_steps=50``): `rp.DiLoCo`'s
+    arguments, with ``outer_learning_rate`` and ``outer_momentum`` for its
+    Nesterov outer step.
+
+    >>> diloco_settings(inner_steps=20).fragments
+    1
+    """
+    settings = ml_collections.ConfigDict(
+        {
+            "inner_steps": placeholder(int),
+            "axis": "data",
+            "outer_learning_rate": 0.7,
+            "outer_momentum": 0.9,
+            "fragments": 1,
+            "overlap_steps": 0,
+            "mix": 0.5,
+            "outer_dtype": placeholder(str),  # None: float32; "bfloat16" halves the bytes
+        }
+    )
+    settings.update(values)
+    return settings
+
+
+def config_beside(config_file: str, name: str, mode: str = "") -> ml_collections.ConfigDict:
+    """The config of the file ``name`` in ``config_file``'s directory, for a config
+    that varies another: ``config_beside(__file__, "digits_cnn.py", mode)``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(name)[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(mode)
+
+
 def describe_keys() -> list[tuple[str, str, str]]:
     """``(key, default, meaning)`` for every key, for ``train --help``."""
     rows = []
