@@ -39,7 +39,14 @@ PyTree = Any
 
 def is_graph_node(x: Any) -> bool:
     """Whether ``x`` is an NNX object (Module, Optimizer, Rngs, Metric, ...)."""
-    return isinstance(x, nnx.Pytree)
+    kind = type(x)
+    known = _GRAPH_TYPES.get(kind)
+    if known is None:  # isinstance through nnx's metaclass is slow: once per type
+        known = _GRAPH_TYPES[kind] = isinstance(x, nnx.Pytree)
+    return known
+
+
+_GRAPH_TYPES: dict[type, bool] = {}
 
 
 def has_graph_nodes(args: Sequence[Any]) -> bool:
@@ -48,13 +55,16 @@ def has_graph_nodes(args: Sequence[Any]) -> bool:
     Only this shallow look costs something on every call; nested deeper, NNX
     objects would be treated as plain pytrees.
     """
+    known = _GRAPH_TYPES.get  # per type, as `is_graph_node`, without its call per value
     for arg in args:
-        if is_graph_node(arg):
+        kind = type(arg)
+        children = arg if kind is tuple or kind is list else arg.values() if kind is dict else ()
+        if known(kind) or (known(kind) is None and is_graph_node(arg)):
             return True
-        if type(arg) in (tuple, list) and any(is_graph_node(v) for v in arg):
-            return True
-        if type(arg) is dict and any(is_graph_node(v) for v in arg.values()):
-            return True
+        for value in children:
+            found = known(type(value))
+            if found or (found is None and is_graph_node(value)):
+                return True
     return False
 
 

@@ -151,6 +151,7 @@ class Replicator:
         self._plan: sharding.ShardingPlan | None = None
         self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
         self._island_axis: str | None = None  # DiLoCo's (`wrap_optimizer(sync=...)`)
+        self._tensor_parallel = self.mesh.shape["tensor"] > 1  # (mesh.shape builds a dict)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -399,12 +400,8 @@ class Replicator:
             return self._run_graph(fn, args, donate_argnums, replica_rngs)
         step, meta, flat = self._run_step(fn, args, donate_argnums)
         out = self._in_flight.dispatch(step, *flat)
-        for i in meta["per_replica"]:
-            pr.remember(out[i], Kind.PER_REPLICA)
-        for i in meta["sharded"]:
-            pr.remember(out[i], Kind.SHARDED)
-        for i in meta["per_island"]:
-            pr.remember(out[i], Kind.PER_ISLAND)
+        for i, kind in meta["remember"]:  # outputs whose role a later call must know
+            pr.remember(out[i], kind)
         return jax.tree.unflatten(meta["tree"], out)
 
     def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
@@ -439,16 +436,17 @@ class Replicator:
             islands = self.mesh.shape[self._island_axis]
             args = diloco.island_args(args, islands, self._island_rows)
         flat, treedef = jax.tree.flatten(args)
-        if any(type(x) is PerReplica for x in flat):
+        kinds = self._kinds(flat, args)
+        if kinds is None:  # rp.PerReplica leaves: placed one row per replica first
             args = self._place_marked(args)
             flat, treedef = jax.tree.flatten(args)
-        kinds = self._kinds(flat, args)
+            kinds = self._kinds(flat, args)
         donate = tuple(sorted(donate_argnums))
         # Where mirrored inputs sit on "tensor": their outputs are pinned there too.
         placed = (
             tuple(getattr(x, "sharding", None) if k is Kind.MIRRORED else None
                   for x, k in zip(flat, kinds))
-            if self.mesh.shape["tensor"] > 1 else None
+            if self._tensor_parallel else None
         )  # fmt: skip
         key = (fn, treedef, kinds, donate, placed)
         entry = self._run_cache.get(key)
@@ -462,24 +460,33 @@ class Replicator:
             entry = self._run_cache[key] = (step, meta)
         return entry[0], entry[1], flat
 
-    def _kinds(self, flat: list, args: tuple) -> tuple[Kind | NamedSharding, ...]:
+    def _kinds(self, flat: list, args: tuple) -> tuple[Kind | NamedSharding, ...] | None:
         """How each argument leaf reaches the replicas (a `NamedSharding`: a parameter
-        sharded over them, gathered for the step); per call, so kept cheap: what a
-        sharding means is worked out once per sharding."""
-        kinds, layouts = [], self._layouts
+        sharded over them, gathered for the step), or None if a leaf is an unplaced
+        `PerReplica`; per call, so kept cheap: what a sharding means is worked out
+        once per sharding."""
+        # Module-level names, not Kind.X: enum attribute lookups cost in this loop.
+        kinds, layouts, known = [], self._layouts, pr.known_kind
+        sharding_of = compat.leading_sharding
         for i, x in enumerate(flat):
-            sharding = compat.leading_sharding(x)
+            sharding = sharding_of(x)
             layout = layouts.get(sharding, _UNSEEN) if sharding is not None else None
             if layout is _UNSEEN:
                 layout = layouts[sharding] = self._layout(sharding)
             if layout is None:
-                kinds.append(Kind.MIRRORED)
+                if sharding is None and type(x) is PerReplica:
+                    return None
+                kinds.append(_MIRRORED)
             elif layout is _SPLIT:
-                kinds.append(self._split_kind(x, args, i))
+                kind = known(x)
+                # The common case, a batch of more rows than replicas, decided here.
+                if kind is None and x.shape[0] != self.num_replicas:
+                    kinds.append(_BATCH)
+                else:
+                    kinds.append(self._split_kind(x, args, i))
             else:
-                kind = pr.known_kind(x)
-                per_row = kind is Kind.PER_REPLICA or kind is Kind.PER_ISLAND
-                kinds.append(kind if per_row else x.sharding)
+                kind = known(x)
+                kinds.append(kind if kind is _PER_REPLICA or kind is _PER_ISLAND else x.sharding)
         return tuple(kinds)
 
     def _layout(self, sharding: Any) -> Any:
@@ -643,13 +650,16 @@ class Replicator:
                 for layout in layouts
             )  # fmt: skip
             meta["tree"] = found["tree"]
-            meta["per_replica"] = [i for i, layout in enumerate(layouts) if layout is _SPLIT]
-            meta["per_island"] = [i for i, layout in enumerate(layouts) if layout is _ISLAND]
-            meta["sharded"] = [
-                i
+            # Outputs a later call must tell apart: per-replica and per-island values,
+            # and parameters sharded like a batch (remembered as parameters).
+            meta["remember"] = [
+                (i, Kind.PER_REPLICA) if layout is _SPLIT
+                else (i, Kind.PER_ISLAND) if layout is _ISLAND
+                else (i, Kind.SHARDED)
                 for i, layout in enumerate(layouts)
-                if isinstance(layout, NamedSharding) and self._layout(layout) is _SPLIT
-            ]  # fmt: skip  (sharded like a batch: remembered as parameters)
+                if layout is _SPLIT or layout is _ISLAND
+                or (isinstance(layout, NamedSharding) and self._layout(layout) is _SPLIT)
+            ]  # fmt: skip
             out = shard_map(body, out_specs)(*flat)
             return tuple(
                 jax.lax.with_sharding_constraint(x, layout) if isinstance(layout, NamedSharding)
@@ -1022,6 +1032,9 @@ class Replicator:
 _UNSEEN, _SPLIT, _SHARDED = object(), object(), object()  # `Replicator._layout`s
 _ISLAND = object()  # an output varying over DiLoCo's island axis only
 _ROWS = (Kind.PER_REPLICA, Kind.PER_ISLAND)  # arguments each replica gets a row of
+_MIRRORED, _BATCH, _PER_REPLICA, _PER_ISLAND = (
+    Kind.MIRRORED, Kind.BATCH, Kind.PER_REPLICA, Kind.PER_ISLAND
+)  # fmt: skip
 
 
 def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
