@@ -8,9 +8,11 @@ value that a per-replica loss uses is a ``psum``); the wrapped optimizer
 (`replicator.optim`) keeps each device's slice of that gradient, updates the
 device's slice of the parameter with its slice of the optimizer state (ZeRO:
 each device stores and updates 1/N), and all-gathers the update so the step
-applies it to the whole parameter as written. On the way out `run` keeps of each
-whole parameter only the device's slice, and optimizer-state slices stay where
-they are: between steps each device holds 1/N of both.
+applies it to the whole parameter as written. Optimizer state (leaves under an
+``opt_state`` field) is never gathered: it reaches the step as the device's
+slice, the wrapped optimizer updates the slice, and the slice leaves `run`. On
+the way out `run` keeps of each whole parameter only the device's slice:
+between steps each device holds 1/N of both.
 
 An optimizer whose update is not elementwise per parameter (a global-norm clip,
 Adafactor's factored moments, LAMB's trust ratio, matrix optimizers) would see
@@ -57,6 +59,12 @@ class _Trace:
     )
     # (key path, whole shape, spec, sharding) of each sharded input
     paths: list = dataclasses.field(default_factory=list)
+    # (key path, slice shape, spec, sharding) of each optimizer-state input left a slice
+    slices: list = dataclasses.field(default_factory=list)
+    # slice shape -> the specs of the optimizer-state slices of that shape
+    by_slice_shape: dict[tuple, set] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(set)
+    )
     keep: list = dataclasses.field(default_factory=list)  # keeps the ids above valid
 
 
@@ -84,7 +92,10 @@ def gather_inputs(
     axes: Sequence[str],
     paths: Sequence[tuple],
 ) -> tuple[list, _Trace]:
-    """The step's argument leaves, each sharded one (a sharding, not None) gathered whole.
+    """The step's argument leaves, each sharded one (a sharding, not None) gathered whole,
+    but optimizer state (a leaf under an ``opt_state`` field, as in `rp.TrainState`
+    and ``nnx.Optimizer``), which stays this device's slice: only the wrapped
+    optimizer reads it, and it updates slices (ZeRO: never a whole moment).
 
     ``paths`` are the leaves' key paths in the arguments: the optimizer pairs a
     gradient with the parameter whose path ends like the gradient's.
@@ -95,6 +106,11 @@ def gather_inputs(
             out.append(x)
             continue
         spec = manual_spec(sharding, axes)
+        if _is_optimizer_state(path):
+            trace.slices.append((tuple(path), x.shape, spec, sharding))
+            trace.by_slice_shape[x.shape].add(spec)
+            out.append(x)
+            continue
         whole = gather(x, spec)
         trace.wholes[id(whole)], trace.slice_of[id(whole)] = spec, x
         trace.by_shape[whole.shape].add(spec)
@@ -107,7 +123,7 @@ def gather_inputs(
 @contextlib.contextmanager
 def tracing(trace: _Trace) -> Iterator[None]:
     """While `Replicator.run` traces a step whose arguments ``trace`` describes."""
-    token = _CURRENT.set(trace if trace.wholes else None)
+    token = _CURRENT.set(trace if trace.wholes or trace.slices else None)
     try:
         yield
     finally:
@@ -146,14 +162,21 @@ def output_sharding(x: jax.Array, varying: Sequence[str], path: tuple) -> NamedS
     parameters alone). The choice changes only the layout, never a value.
     """
     trace = _CURRENT.get()
-    if trace is None or varying:
+    if trace is None:
         return None
     path = tuple(path)
-    candidates = [
-        (-_common_suffix(path, where), str(spec), sharding)
-        for where, shape, spec, sharding in trace.paths
-        if shape == x.shape
-    ]
+    if varying:  # an optimizer-state slice leaves as the slice it came in as
+        candidates = [
+            (-_common_suffix(path, where), str(spec), sharding)
+            for where, shape, spec, sharding in trace.slices
+            if shape == x.shape and set(varying) == {a for e in spec for a in _axes(e)}
+        ]
+    else:
+        candidates = [
+            (-_common_suffix(path, where), str(spec), sharding)
+            for where, shape, spec, sharding in trace.paths
+            if shape == x.shape
+        ]
     return min(candidates, key=lambda c: c[:2])[2] if candidates else None
 
 
@@ -180,25 +203,52 @@ def update(
     """``tx.update`` of per-replica gradients, ZeRO-style for sharded parameters.
 
     Each device updates its slice of each sharded parameter with its slice of
-    the summed gradient and of the optimizer state, and the results are gathered
-    whole again, so the step sees the values it would on one device (the
-    gathers of values that only leave `run` as slices cost nothing: XLA keeps the
-    slice). Other gradients are all-reduced as under data parallelism.
+    the summed gradient and of the optimizer state; the updates are gathered
+    whole, so the step applies them as it would on one device, and optimizer
+    state that came in as a slice stays one (any other is gathered whole
+    again). Other gradients are all-reduced as under data parallelism.
     """
     trace = _CURRENT.get()
     grad_leaves, grad_def = jax.tree.flatten(grads)
     grads = jax.tree.unflatten(grad_def, [sum_varying(g, axis_names) for g in grad_leaves])
     grad_specs = _grad_specs(trace, grads, params)
     state_specs = _state_specs(trace, state, grad_def, grad_specs)
+    # Optimizer state that came in as this device's slice (see `gather_inputs`).
+    sliced = [_is_slice(trace, x) for x in jax.tree.leaves(state)]
     specs = (grad_specs, state_specs, grad_specs if params is not None else [])
     ambiguous = any(s is _AMBIGUOUS for s in grad_specs + state_specs)
-    if ambiguous or not _elementwise(tx.update, (grads, state, params), extra_args, specs):
+    if ambiguous or not _elementwise(tx.update, (grads, state, params), extra_args, specs, sliced):
         _warn_whole_update(tx)
-        return tx.update(grads, state, params, **extra_args)
+        state = _map_where(state, sliced, state_specs, gather)
+        updates, new_state = tx.update(grads, state, params, **extra_args)
+        return updates, _map_where(new_state, sliced, state_specs, local_slice)
     pieces = [_map(trace, tree, s, _slice) for tree, s in zip((grads, state, params), specs)]
     updates, new_state = tx.update(*pieces, **extra_args)
     whole = lambda trace, x, spec: gather(x, spec)  # noqa: E731
-    return _map(trace, updates, grad_specs, whole), _map(trace, new_state, state_specs, whole)
+    unsliced = [None if kept else s for kept, s in zip(sliced, state_specs)]  # slices stay
+    return _map(trace, updates, grad_specs, whole), _map(trace, new_state, unsliced, whole)
+
+
+def _is_optimizer_state(path: Sequence[Any]) -> bool:
+    return any(getattr(k, "name", getattr(k, "key", None)) == "opt_state" for k in path)
+
+
+def _is_slice(trace: _Trace, x: Any) -> bool:
+    """Whether ``x`` is an optimizer-state slice: varying over the replica axes, shaped
+    like one that came in as a slice."""
+    return (
+        hasattr(x, "shape")
+        and x.shape in trace.by_slice_shape
+        and bool(jax.typeof(x).manual_axis_type.varying)
+    )
+
+
+def _map_where(tree: PyTree, where: list, specs: list, fn) -> PyTree:
+    """``fn(leaf, spec)`` on the leaves of ``tree`` marked in ``where``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [fn(x, s) if w else x for x, w, s in zip(leaves, where, specs)]
+    )
 
 
 def _map(trace: _Trace, tree: PyTree, specs: list, fn) -> PyTree:
@@ -211,15 +261,21 @@ def _map(trace: _Trace, tree: PyTree, specs: list, fn) -> PyTree:
 
 
 def _slice(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
-    """This device's slice of ``x``: the input slice itself where ``x`` is a gathered input."""
+    """This device's slice of ``x``: the input slice itself where ``x`` is a gathered
+    input, ``x`` where it is a slice already (optimizer state)."""
+    if _is_slice(trace, x):
+        return x
     piece = trace.slice_of.get(id(x))
     return local_slice(x, spec) if piece is None else piece
 
 
 def _spec_by_shape(trace: _Trace, x: Any) -> P | None:
-    if not hasattr(x, "shape") or jax.typeof(x).manual_axis_type.varying:
+    if not hasattr(x, "shape"):
         return None
-    found = set(trace.by_shape.get(x.shape, ()))
+    if jax.typeof(x).manual_axis_type.varying:  # an optimizer-state slice, or no ZeRO leaf
+        found = set(trace.by_slice_shape.get(x.shape, ())) if _is_slice(trace, x) else set()
+    else:
+        found = set(trace.by_shape.get(x.shape, ()))
     return found.pop() if len(found) == 1 else (_AMBIGUOUS if found else None)
 
 
@@ -265,16 +321,24 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _elementwise(fn, args: tuple, extra: dict, specs: tuple) -> bool:
+def _elementwise(fn, args: tuple, extra: dict, specs: tuple, sliced: list) -> bool:
     """Whether ``fn(*args, **extra)`` computes each element of the sharded leaves' results
-    from the same elements of their inputs only (so a slice in gives the slice out)."""
+    from the same elements of their inputs only (so a slice in gives the slice out).
+    ``sliced`` marks the state leaves (``args[1]``) given as slices: traced whole."""
     leaves, treedef = jax.tree.flatten((args, extra))
-    tainted = []
-    for part, part_specs in zip(args, specs):
-        tainted += [s is not None for s in part_specs] if part is not None else []
+    tainted, shapes = [], []
+    for k, (part, part_specs) in enumerate(zip(args, specs)):
+        if part is None:
+            continue
+        tainted += [s is not None for s in part_specs]
+        for i, (x, s) in enumerate(zip(jax.tree.leaves(part), part_specs)):
+            whole = k == 1 and sliced[i] and s is not None and s is not _AMBIGUOUS
+            shapes.append(_whole_shape(x.shape, s) if whole else getattr(x, "shape", None))
     tainted += [False] * (len(leaves) - len(tainted))
+    shapes += [getattr(x, "shape", None) for x in leaves[len(shapes) :]]
     abstract = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x for x in leaves
+        jax.ShapeDtypeStruct(shape, x.dtype) if hasattr(x, "dtype") else x
+        for x, shape in zip(leaves, shapes)
     ]
 
     def call(*flat):
@@ -283,6 +347,15 @@ def _elementwise(fn, args: tuple, extra: dict, specs: tuple) -> bool:
 
     closed = jax.make_jaxpr(call)(*abstract)
     return _taint_stays_local(closed.jaxpr, tainted)
+
+
+def _whole_shape(shape: tuple, spec: P) -> tuple:
+    """The whole shape of a slice of ``shape`` split as ``spec`` says (inside shard_map)."""
+    sizes = list(shape)
+    for dim, axes in enumerate(_axes(e) for e in spec):
+        if axes:
+            sizes[dim] *= int(np.prod([jax.lax.axis_size(a) for a in axes]))
+    return tuple(sizes)
 
 
 def _taint_stays_local(jaxpr: jex.Jaxpr, tainted_in: Sequence[bool]) -> bool:

@@ -1,6 +1,7 @@
 """ZeRO inside `repl.run`: sharded parameters and optimizer state stay sharded, and a
 step equals the same step on one device (SGD and Adam: an extra psum would show)."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -112,6 +113,38 @@ def test_run_keeps_the_state_sharded_and_equals_one_device(mesh_name, make_tx, a
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
         if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
+
+
+def gathered_bytes(hlo: str) -> int:
+    """The bytes all-gathered by a compiled program (its all-gather results)."""
+    total = 0
+    for line in hlo.splitlines():
+        op = re.search(r" = (.*?) all-gather(?:-start)?\(", line)
+        if op:
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", op.group(1)):
+                size = np.dtype({"f32": "float32", "bf16": "bfloat16"}.get(dtype, "int32"))
+                total += size.itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def test_optimizer_state_is_never_gathered_whole():
+    """ZeRO's saving inside the step: under run on fsdp=8, the parameters are gathered
+    for the forward pass and the updates once each, Adam's two moments never."""
+    repl = rp.Replicator(mesh=MESHES["fsdp8"], rules=RULES)
+    tx = repl.wrap_optimizer(optax.adam(1e-2))
+    state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    batch = repl.shard_batch(next(batches(1)))
+    hlo = repl.lower(step, state, batch, donate_argnums=(0,)).compile().as_text()
+    sharded = sum(
+        x.size * 4 for x in jax.tree.leaves(state.params) if len(x.sharding.device_set) > 1
+        and not x.sharding.is_fully_replicated
+    )  # fmt: skip
+    assert gathered_bytes(hlo) <= 2.1 * sharded  # (moments too would make it 4x and more)
 
 
 def test_a_non_elementwise_optimizer_is_exact_with_a_warning():
