@@ -166,7 +166,8 @@ def wrap(
         return DiLoCoState(
             inner=tx.init(params),
             outer_params=outer_params,
-            outer=tuple(outer_tx.init([leaves[i] for i in g]) for g in groups),
+            # float32, as the outer step computes (bf16 parameters included)
+            outer=tuple(outer_tx.init([leaves[i].astype(jnp.float32) for i in g]) for g in groups),
             count=jnp.zeros((), jnp.int32),
             synced=jnp.zeros((policy.fragments,), bool),
             pending=tuple(
@@ -459,17 +460,16 @@ class ElasticIslands:
 
     Args:
       policy: the `DiLoCo` policy given to ``wrap_optimizer`` (``elastic=True``).
-      timeout_s: the longest one sync may take.
-      poll_s: how often a waiting sync checks who is alive.
+      timeout_s: the longest one sync may take (from the first island to reach it).
     """
 
-    def __init__(self, policy: DiLoCo, *, timeout_s: float = 120.0, poll_s: float = 1.0):
+    def __init__(self, policy: DiLoCo, *, timeout_s: float = 120.0):
         from replicator.runtime.elastic import LiveGroup
 
         if not policy.elastic:
             raise ValueError("ElasticIslands needs DiLoCo(..., elastic=True).")
         self.policy = policy
-        self.group = LiveGroup(timeout_s=timeout_s, poll_s=poll_s, prefix="diloco")
+        self.group = LiveGroup(timeout_s=timeout_s, prefix="diloco")
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -507,13 +507,9 @@ def _delta(params, outer):
 def apply_mean_delta(policy: DiLoCo, state: Any, mean: np.ndarray) -> Any:
     """``state`` after the outer step on the islands' mean outer gradient ``mean``
     (from `island_delta` of each island): new outer parameters, and the island's
-    parameters set to them exactly."""
-    count = int(jax.device_get(state.opt_state.count))
-    if count % policy.inner_steps:
-        raise ValueError(
-            f"An elastic sync after {count} inner steps; sync every inner_steps="
-            f"{policy.inner_steps} steps."
-        )
+    parameters set to them exactly. The loop decides when to sync (every
+    ``inner_steps`` steps it ran: an island that skipped a non-finite update
+    counts fewer inner steps, and still syncs with the others)."""
     return _outer_step(policy.outer, state, mean)
 
 

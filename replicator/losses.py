@@ -95,8 +95,9 @@ def scale_regularization_loss(regularization_loss: jax.typing.ArrayLike) -> jax.
     note_global_batch_loss()
     total = jnp.sum(jnp.asarray(regularization_loss))
     total = total.astype(jnp.promote_types(total.dtype, jnp.float32))
-    ctx = get_replica_context()
-    return total / (ctx.num_replicas if ctx else 1)
+    ctx, island = get_replica_context(), island_axis()
+    # compile under DiLoCo: each island's view counts as one of `islands` replicas.
+    return total / (ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1)
 
 
 def global_sum(x: jax.typing.ArrayLike) -> jax.Array:

@@ -146,6 +146,23 @@ def test_mixed_precision_islands(precision):
         assert np.shape(state.loss_scale.scale) == ()  # one scale, agreed by all islands
 
 
+def test_bfloat16_parameters_keep_a_float32_outer_state():
+    repl = rp.Replicator(mesh=ISLANDS)
+    tx = repl.wrap_optimizer(optax.sgd(0.1), sync=rp.DiLoCo(inner_steps=2))
+
+    def step(state, batch):
+        _, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx)
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
+    for batch in batches(4):
+        state = repl.run(step, state, repl.shard_batch(batch), donate_argnums=(0,))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state.outer)} == {jnp.dtype(jnp.float32)}
+
+
 def test_fragments_sync_in_turn():
     sync = rp.DiLoCo(inner_steps=4, fragments=2, outer_optimizer=optax.sgd(1.0))
     log = {}
@@ -258,8 +275,12 @@ def test_compile_equals_run():
         repl = rp.Replicator(mesh=ISLANDS)
         tx = repl.wrap_optimizer(optax.adam(1e-2), sync=rp.DiLoCo(inner_steps=2))
 
+        def regularized(params, batch):  # an L2 term counts once, on both paths
+            l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params))
+            return loss_fn(params, batch) + rp.scale_regularization_loss(1e-2 * l2)
+
         def step(state, batch):
-            loss, grads = state.value_and_grad(loss_fn, batch)
+            loss, grads = state.value_and_grad(regularized, batch)
             return state.apply_gradients(grads, tx), repl.reduce(rp.ReduceOp.SUM, loss)
 
         params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]

@@ -9,15 +9,16 @@ transport of our own: JAX's distributed runtime started with recoverability
 heartbeat tells who is alive (``get_live_nodes``) and its key-value store
 carries the bytes.
 
-A round of `LiveGroup.mean`: read the live members; publish this process's
-array under a key naming the round and that member set; read every member's
-under the same set. When a member's key does not come (it died, or the others
-have not noticed yet), read the members again; once the runtime has declared
-one dead it can no longer publish, so a survivor that sees every key of the set
-it started with finishes the round with it, and otherwise retries the round
-among the survivors. Every survivor sums the same arrays in the same order: the
-mean is bitwise the same everywhere. Every wait is bounded: past ``timeout_s``
-the round fails with `SyncTimeout`, naming the processes that did not deliver.
+A round of `LiveGroup.mean`: each member publishes its array under a key
+naming the round and itself, then meets the others at JAX's membership barrier
+(``get_live_nodes`` returns once every live member has asked, the same answer
+to all). Whoever is alive then has published, so every survivor reads the same
+arrays and sums them in the same order: the mean is bitwise the same
+everywhere. A member that died before the barrier is left out by all alike,
+once the runtime's heartbeat declares it dead. Every wait is bounded: past
+``timeout_s`` the round fails with `SyncTimeout`, naming the processes that
+never reached it. Each member deletes its keys two rounds later, so the
+coordination service (on process 0) holds at most two rounds of arrays.
 
 What the runtime does not survive: the loss of process 0, which hosts the
 coordination service (every other process then stops, "the JAX distributed
@@ -63,11 +64,10 @@ class LiveGroup:
 
     Args:
       timeout_s: the longest a `mean` may wait, in all.
-      poll_s: how long one wait for a key lasts before the members are read again.
       prefix: the key-value namespace (one per group).
     """
 
-    def __init__(self, timeout_s: float = 120.0, poll_s: float = 1.0, prefix: str = "live_mean"):
+    def __init__(self, timeout_s: float = 120.0, prefix: str = "live_mean"):
         import jax
 
         self._client = compat.coordination_client()
@@ -79,8 +79,9 @@ class LiveGroup:
             )
         self.process = jax.process_index()
         self.members: tuple[int, ...] = tuple(range(jax.process_count()))
-        self.timeout_s, self.poll_s, self.prefix = timeout_s, poll_s, prefix
+        self.timeout_s, self.prefix = timeout_s, prefix
         self.rounds = 0
+        self._published: dict[int, list[str]] = {}  # round -> this process's keys
 
     def live(self, deadline: float | None = None) -> tuple[int, ...]:
         """The members the runtime still sees alive (a dead one never comes back).
@@ -108,55 +109,40 @@ class LiveGroup:
     def mean(self, array: np.ndarray) -> np.ndarray:
         """The mean of ``array`` (float32) over the live members, the same bits on each.
 
+        Each member publishes its array, then meets the others at the membership
+        barrier (`live`): whoever is alive when it returns has published, so every
+        survivor reads the same arrays, and none waits on a key after it. A member
+        that died before the barrier is left out by everyone alike.
+
         Raises:
           SyncTimeout: the round could not complete within ``timeout_s``.
         """
         payload = np.ascontiguousarray(array, np.float32)
         deadline = time.monotonic() + self.timeout_s
-        self._client.key_value_set(f"{self.prefix}/{self.rounds}/arrived/{self.process}", "1")
+        round_ = self.rounds
+        self._published[round_] = self._publish(self._key(round_, self.process), payload.tobytes())
         try:
             members = self.live(deadline)
         except SyncTimeout:
             late = [
                 p for p in self.members
-                if self._try(f"{self.prefix}/{self.rounds}/arrived/{p}") is None
+                if self._try(self._key(round_, p) + "/0", as_bytes=True) is None
             ]  # fmt: skip
             raise SyncTimeout(
-                f"Sync round {self.rounds} of process {self.process} did not start in "
+                f"Sync round {round_} of process {self.process} did not complete in "
                 f"{self.timeout_s:.0f} s: processes {late} never reached it (alive but "
                 "stuck, or slower than the timeout).",
                 late,
             ) from None
-        while True:
-            tag = f"{self.prefix}/{self.rounds}/{'-'.join(map(str, members))}"
-            self._publish(tag, payload.tobytes())
-            parts = self._collect(tag, members, payload.nbytes, deadline)
-            if parts is not None:
-                break
-            try:
-                now_live = self.live(deadline)
-            except SyncTimeout as e:
-                late = self._late(tag, members)
-                raise SyncTimeout(
-                    f"Sync round {self.rounds} of process {self.process} did not complete "
-                    f"in {self.timeout_s:.0f} s: processes {late} did not deliver. {e}",
-                    late,
-                ) from None
-            # Declared dead: it cannot publish any more. Finish with the set it
-            # started if every key is there after all; otherwise retry among the living.
-            parts = self._collect(tag, members, payload.nbytes, None)
-            if parts is not None:
-                break
-            missing = [p for p in members if p not in now_live]
-            if time.monotonic() > deadline:
-                raise SyncTimeout(
-                    f"Sync round {self.rounds} of process {self.process} did not complete "
-                    f"in {self.timeout_s:.0f} s: processes {self._late(tag, members)} did "
-                    f"not deliver (alive: {list(now_live)}).",
-                    self._late(tag, members),
-                )
-            if missing:
-                members = tuple(p for p in members if p in now_live)
+        parts = self._collect(round_, members, payload.nbytes, deadline)
+        if parts is None:  # published before the barrier: only a lost connection gets here
+            raise SyncTimeout(
+                f"Sync round {round_} of process {self.process}: the arrays of {members} "
+                "could not be read back.",
+                members,
+            )
+        for key in self._published.pop(round_ - 2, ()):  # a slow member may still read r-1
+            self._client.key_value_delete(key)
         self.members = members
         self.rounds += 1
         return combine([np.frombuffer(p, np.float32).reshape(payload.shape) for p in parts])
@@ -186,41 +172,34 @@ class LiveGroup:
 
     # ------------------------------------------------------------ private
 
-    def _publish(self, tag: str, data: bytes) -> None:
-        chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
-        for i, chunk in enumerate(chunks):
-            try:
-                self._client.key_value_set_bytes(f"{tag}/{self.process}/{i}", chunk)
-            except Exception as e:  # noqa: BLE001  (published by the first attempt)
-                if "ALREADY_EXISTS" not in str(e):
-                    raise
+    def _key(self, round_: int, process: int) -> str:
+        return f"{self.prefix}/{round_}/{process}"
 
-    def _collect(self, tag, members, nbytes: int, deadline: float | None) -> list | None:
-        """Every member's bytes under ``tag``; None when one does not come in time
-        (``deadline`` None: only what is there now)."""
+    def _publish(self, key: str, data: bytes) -> list[str]:
+        """Stores ``data`` under ``key/0``, ``key/1``, ... (bounded entries); the keys."""
+        chunks = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]
+        keys = [f"{key}/{i}" for i in range(len(chunks))]
+        for k, chunk in zip(keys, chunks):
+            self._client.key_value_set_bytes(k, chunk)
+        return keys
+
+    def _collect(self, round_: int, members, nbytes: int, deadline: float) -> list | None:
+        """Every member's bytes of round ``round_``; None when one cannot be read in time."""
         chunks = max(1, -(-nbytes // _CHUNK))
         parts = []
         for p in members:
             data = b""
             for i in range(chunks):
-                key = f"{tag}/{p}/{i}"
-                if deadline is None:
-                    chunk = self._try(key, as_bytes=True)
-                else:
-                    wait = min(self.poll_s, max(deadline - time.monotonic(), 0.01))
-                    chunk = self._get(key, wait)
+                chunk = self._get(f"{self._key(round_, p)}/{i}", deadline - time.monotonic())
                 if chunk is None:
                     return None
                 data += chunk
             parts.append(data)
         return parts
 
-    def _late(self, tag: str, members) -> list[int]:
-        return [p for p in members if self._try(f"{tag}/{p}/0", as_bytes=True) is None]
-
     def _get(self, key: str, wait_s: float) -> bytes | None:
         try:
-            return self._client.blocking_key_value_get_bytes(key, max(int(wait_s * 1000), 1))
+            return self._client.blocking_key_value_get_bytes(key, max(int(wait_s * 1000), 100))
         except Exception as e:  # noqa: BLE001  (the runtime's timeout is a JaxRuntimeError)
             if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e):
                 return None

@@ -11,8 +11,8 @@ survivor writes its final parameters to OUT/island<k>.npz.
 
 ``--die-at-step S --die-island K``: island K kills itself (SIGKILL) right after
 step S. ``--die-in-sync R``: island K dies inside sync round R, after publishing
-its outer gradient. ``--hang-in-sync R``: island K stops answering in round R
-(alive, silent), so the others' sync times out.
+its outer gradient, before the membership barrier. ``--hang-in-sync R``: island
+K never reaches sync round R (alive, silent), so the others' sync times out.
 
 ``--reference ISLANDS`` runs every island in this one process, in lockstep,
 dropping island K from the syncs after step S: what the elastic run must equal.
@@ -79,24 +79,29 @@ def save(out, island, state):
 def elastic_run(args, policy):
     rp.initialize(recoverable=True, heartbeat_timeout_s=args.heartbeat)
     island = jax.process_index()
-    islands = rp.diloco.ElasticIslands(policy, timeout_s=args.timeout, poll_s=0.5)
+    islands = rp.diloco.ElasticIslands(policy, timeout_s=args.timeout)
     repl, step, state = make_island(policy)
     victim = island == args.die_island
-    if victim and (args.die_in_sync is not None or args.hang_in_sync is not None):
+    if victim and args.die_in_sync is not None:
+        # Dies inside the sync: after publishing its outer gradient, at the membership
+        # barrier that would have let the others read it.
+        live = islands.group.live
+
+        def dying_live(deadline=None):
+            if islands.group.rounds == args.die_in_sync:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return live(deadline)
+
+        islands.group.live = dying_live
+    if victim and args.hang_in_sync is not None:
         mean = islands.group.mean
 
-        def dying_mean(array):
-            if islands.group.rounds == args.die_in_sync:
-                islands.group._publish(
-                    f"diloco/{islands.group.rounds}/" + "-".join(map(str, islands.group.live())),
-                    np.ascontiguousarray(array, np.float32).tobytes(),
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
+        def stuck_mean(array):  # alive, but never reaches the sync
             if islands.group.rounds == args.hang_in_sync:
                 time.sleep(3600)
             return mean(array)
 
-        islands.group.mean = dying_mean
+        islands.group.mean = stuck_mean
     try:
         for i in range(1, STEPS + 1):
             state = repl.run(step, state, repl.shard_batch(batch_of(island, i)))
