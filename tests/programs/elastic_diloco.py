@@ -146,7 +146,7 @@ def main():
     parser.add_argument("--die-in-sync", type=int, default=None)
     parser.add_argument("--hang-in-sync", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--heartbeat", type=int, default=3)
+    parser.add_argument("--heartbeat", type=int, default=6)  # loaded CI machines: not 3
     parser.add_argument("--reference", type=int, default=0)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
