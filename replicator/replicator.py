@@ -870,8 +870,21 @@ class Replicator:
         plain = jit(_in_global_view(fn, mesh))
         current = [plain]
         bound = self._in_flight.bound
+        islands: list = []  # DiLoCo: the per-island program, made on first use
+
+        def island_step() -> Callable:
+            if not islands:
+                if static_argnums:
+                    raise ValueError("repl.compile under DiLoCo takes no static_argnums.")
+                positions = _as_positions(donate_argnums)
+                islands.append(self._compile_islands(fn, positions, compiler_options))
+            return islands[0]
 
         def step(*args, **kwargs):
+            # A step given islands' train states (wrap_optimizer(sync=rp.DiLoCo)) runs
+            # once per island; decided per call, whenever the optimizer was wrapped.
+            if self._island_axis is not None and diloco.has_states(args):
+                return island_step()(*args, **kwargs)
             if graphs.has_graph_nodes(args):
                 if graph_step is None or kwargs:
                     raise TypeError(
@@ -894,6 +907,8 @@ class Replicator:
                 return step(*args, **kwargs)
 
         def lower(*args, **kwargs) -> jax.stages.Lowered:
+            if self._island_axis is not None and diloco.has_states(args):
+                return island_step().lower(*args, **kwargs)
             try:
                 return current[0].lower(*args, **kwargs)
             except NameError as e:
@@ -906,24 +921,7 @@ class Replicator:
 
         step.jitted, step.lower = plain, lower  # jitted: the jax.jit object in use
         step.__name__ = getattr(fn, "__name__", "step")
-        if self._island_axis is None:
-            return step
-        # DiLoCo: a step given islands' train states runs once per island.
-        islands = self._compile_islands(fn, _as_positions(donate_argnums), compiler_options)
-
-        def either(*args, **kwargs):
-            if diloco.has_states(args):
-                return islands(*args, **kwargs)
-            return step(*args, **kwargs)
-
-        def lower_either(*args, **kwargs) -> jax.stages.Lowered:
-            if diloco.has_states(args):
-                return islands.lower(*args, **kwargs)
-            return lower(*args, **kwargs)
-
-        either.jitted, either.lower = plain, lower_either
-        either.__name__ = step.__name__
-        return either
+        return step
 
     def _compile_islands(self, fn: Callable, donate: tuple[int, ...], compiler_options) -> Callable:
         """`compile` under DiLoCo: ``fn`` in the global view of each island, as one

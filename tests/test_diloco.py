@@ -303,6 +303,24 @@ def test_compile_equals_run():
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
 
 
+def test_a_step_compiled_before_the_optimizer_was_wrapped_still_runs_per_island():
+    repl = rp.Replicator(mesh=ISLANDS)
+    txs = []
+
+    def step(state, batch):
+        _, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, txs[0])
+
+    compiled = repl.compile(step, donate_argnums=(0,))  # before wrap_optimizer(sync=...)
+    txs.append(repl.wrap_optimizer(optax.sgd(0.1), sync=rp.DiLoCo(inner_steps=1)))
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = repl.replicate(rp.TrainState.create(params, txs[0], jax.random.key(0)))
+    state = compiled(state, repl.shard_batch(batches(1)[0]))
+    assert jax.tree.leaves(state.params)[0].shape[0] == 4  # one row per island
+    for p, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state.outer_params)):
+        np.testing.assert_array_equal(np.asarray(p[1]), np.asarray(o))  # synced (H=1)
+
+
 def test_outer_view_holds_the_outer_parameters():
     state = train(ISLANDS, optax.sgd(0.1), rp.DiLoCo(inner_steps=3), steps=2)
     view = diloco.outer_view(state)
