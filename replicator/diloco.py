@@ -387,8 +387,13 @@ def island_args(args: tuple, islands: int, to_rows) -> tuple:
                 f"({islands} islands): it was saved on another mesh. Evaluate its outer "
                 "parameters (rp.diloco.outer_view), or train on the mesh that saved it."
             )
-        for leaf in jax.tree.leaves(island):
-            if isinstance(leaf, jax.Array) and leaf.ndim and leaf.shape[0] == islands:
+        for leaf in jax.tree.leaves(island):  # run's own outputs are known already
+            if (
+                isinstance(leaf, jax.Array)
+                and leaf.ndim
+                and leaf.shape[0] == islands
+                and pr.known_kind(leaf) is None
+            ):
                 pr.remember(leaf, pr.Kind.PER_ISLAND)
         return x
 

@@ -151,6 +151,7 @@ class Replicator:
         self._plan: sharding.ShardingPlan | None = None
         self._graph_fns: dict[Any, Callable] = {}  # NNX steps as pure functions
         self._island_axis: str | None = None  # DiLoCo's (`wrap_optimizer(sync=...)`)
+        self._num_islands = 1  # its size (mesh.shape builds a dict: not per call)
         self._tensor_parallel = self.mesh.shape["tensor"] > 1  # (mesh.shape builds a dict)
 
     def __repr__(self) -> str:
@@ -433,8 +434,7 @@ class Replicator:
 
     def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
         if self._island_axis is not None:
-            islands = self.mesh.shape[self._island_axis]
-            args = diloco.island_args(args, islands, self._island_rows)
+            args = diloco.island_args(args, self._num_islands, self._island_rows)
         flat, treedef = jax.tree.flatten(args)
         kinds = self._kinds(flat, args)
         if kinds is None:  # rp.PerReplica leaves: placed one row per replica first
@@ -531,7 +531,7 @@ class Replicator:
     def _island_rows(self, tree: PyTree) -> PyTree:
         """``tree`` as per-island values (DiLoCo's parameters), each island's row a
         copy of it."""
-        n = self.mesh.shape[self._island_axis]
+        n = self._num_islands
         stack = jax.jit(
             lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), t),
             out_shardings=NamedSharding(self.mesh, P(self._island_axis)),
@@ -790,6 +790,7 @@ class Replicator:
             # elastic islands are processes, and this Replicator's replicas one island.
             several = self.mesh.shape[sync.axis] > 1 and not sync.elastic
             self._island_axis = sync.axis if several else None
+            self._num_islands = self.mesh.shape[sync.axis] if several else 1
         return optim.wrap_optimizer(tx, self.axis_name, sync)
 
     def apply_policy(self, model: Any) -> Any:
@@ -932,7 +933,7 @@ class Replicator:
         options = {**(self._compiler_options or {}), **(compiler_options or {})} or None
 
         def prepare(args):
-            args = diloco.island_args(args, self.mesh.shape[island], self._island_rows)
+            args = diloco.island_args(args, self._num_islands, self._island_rows)
             flat, treedef = jax.tree.flatten(args)
             rows = tuple(pr.known_kind(x) is Kind.PER_ISLAND for x in flat)
             specs = tuple(

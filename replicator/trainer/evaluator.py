@@ -111,7 +111,7 @@ def _picked(abstract: Any, pick) -> tuple[dict, Any]:
     used = sorted(set(jax.tree.leaves(pick(jax.tree.unflatten(treedef, range(len(paths)))))))
     like: dict = {}
     for i in used:
-        node, keys = like, [_key_name(k) for k in paths[i][0]]
+        node, keys = like, [_key_name(k) for k in paths[i][0]]  # Orbax's key names
         for key in keys[:-1]:
             node = node.setdefault(key, {})
         node[keys[-1]] = paths[i][1]
@@ -130,11 +130,8 @@ def _picked(abstract: Any, pick) -> tuple[dict, Any]:
 
 
 def _key_name(key: Any) -> str:
-    """A key path entry as Orbax names it in a checkpoint."""
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+    """A key path entry as Orbax names it in a checkpoint (``opt_state``, ``0``)."""
+    return jax.tree_util.keystr((key,), simple=True)
 
 
 def evaluate(
