@@ -611,15 +611,21 @@ class Replicator:
                     if varying and varying == (island,):  # a DiLoCo island's value
                         sharded = _ISLAND
                     layouts.append(sharded or (_SPLIT if varying else None))
-            leaves, tree = jax.tree.flatten(out)
-            return leaves, tree, layouts
+                leaves, tree = jax.tree.flatten(out)
+                # A sharded output's slice: the one it was gathered from, if it was.
+                pieces = [
+                    zero.slice_for(x, zero.manual_spec(layout, axes))
+                    if isinstance(layout, NamedSharding) else None
+                    for x, layout in zip(leaves, layouts)
+                ]  # fmt: skip
+            return leaves, tree, layouts, pieces
 
         def run_all_replicas(*flat):
             # First trace: how each output leaves decides the out_specs.
             found = {}
 
             def probe(*flat):
-                _, found["tree"], found["layouts"] = call(*flat)
+                _, found["tree"], found["layouts"], _ = call(*flat)
                 return ()
 
             try:
@@ -630,13 +636,15 @@ class Replicator:
             layouts = found["layouts"]
 
             def body(*flat):
-                leaves, _, _ = call(*flat)
+                leaves, _, _, pieces = call(*flat)
                 out = []
-                for x, layout in zip(leaves, layouts):
+                for x, layout, piece in zip(leaves, layouts, pieces):
                     if layout is _SPLIT:
                         x = _stack(x, axes)
                     elif layout is _ISLAND:
                         x = x[None]
+                    elif piece is not None:
+                        x = piece
                     elif layout is not None and not varying_axes(x, axes):  # whole: keep a slice
                         x = zero.local_slice(x, zero.manual_spec(layout, axes))
                     out.append(x)

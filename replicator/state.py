@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator import diloco
+from replicator import diloco, zero
 from replicator.context import (
     get_replica_context,
     island_axis,
@@ -113,7 +113,7 @@ class TrainState:
         gradients and ``aux`` are summed. `compute_average_loss` divides every
         microbatch by the full global batch, so the sum is exactly the big-batch
         loss and gradient (not a mean of microbatch means). Inside `Replicator.run`
-        the gradients are all-reduced once, after the loop.
+        the gradients are summed across replicas once, after the loop.
 
         With a ``model_state``, ``loss_fn(params, model_state, batch)`` returns
         ``(loss, new_model_state)`` (or ``(loss, (new_model_state, aux))`` with
@@ -151,12 +151,23 @@ class TrainState:
 
         grad_fn = jax.grad(scaled_loss, has_aux=True)
         k = self.grad_accum_steps
+        # Sharded parameters under run (ZeRO): their gradients stay per replica, to be
+        # reduce-scattered by the wrapped optimizer rather than all-reduced whole.
+        params, unsummed = zero.unsummed(self.params)
         if k == 1:
-            grads, (loss, new_state, aux) = grad_fn(self.params, batch)
+            grads, out = grad_fn(params, batch)
         else:
-            grads, (loss, new_state, aux) = _accumulate(grad_fn, self.params, batch, k)
+            grads, out = _accumulate(grad_fn, params, batch, k)
+        if unsummed or (k > 1 and get_replica_context()):
+            # Varying parameters make a value computed from them alone vary too.
+            first = jax.tree.map(lambda x: x[: x.shape[0] // k], batch)
+            with microbatching(k):
+                reference = jax.eval_shape(scaled_loss, self.params, first)[1]
+            out = _as_invariant_as(out, reference)
+        loss, new_state, aux = out
         if scale:
             grads = scale.unscale(grads)
+        grads = zero.summed(grads, unsummed)
         if with_state:
             value = (loss, (new_state, aux) if has_aux else new_state)
         else:
@@ -175,7 +186,8 @@ class TrainState:
         A skipped step leaves parameters, optimizer state and model state exactly
         as they were, counts in ``skipped_steps`` and halves the loss scale; the
         decision is the same on every replica because the gradients are
-        all-reduced first.
+        summed across replicas first (and the decision agreed where each
+        replica holds a slice of them: sharded parameters under `run`).
 
         Args:
           grads: the gradients, from `value_and_grad`.
@@ -184,16 +196,20 @@ class TrainState:
         """
 
         def update(params, opt_state):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, self.params)
+            params = zero.apply_updates(params, updates, self.params)
             # Under DiLoCo, islands just synced hold the outer parameters bitwise.
-            return diloco.settle(optax.apply_updates(params, updates), opt_state), opt_state
+            return diloco.settle(params, opt_state), opt_state
 
-        finite = _agreed(all_finite(grads))
+        # Sharded parameters under run (ZeRO) are updated as this device's slices, with
+        # its slices of the gradients (see `replicator.zero`); else all of this is whole.
+        finite = _agreed(all_finite(zero.scatter_gradients(grads, self.params)))
         # One branch for the whole update: a per-leaf select would copy every
         # parameter and optimizer leaf each step (measured: 13% slower at 8 devices).
         params, opt_state = jax.lax.cond(
-            finite, update, lambda p, o: (p, o), self.params, self.opt_state
+            finite, update, lambda p, o: (p, o), zero.param_slices(self.params), self.opt_state
         )
+        params = zero.param_wholes(params, self.params)
         if model_state is None:
             model_state = self.model_state
         elif self.model_state is not None:
@@ -221,6 +237,26 @@ def _agreed(finite: jax.Array) -> jax.Array:
     if not axes:
         return finite
     return jax.lax.psum((~finite).astype(jnp.int32), axes) == 0
+
+
+def _as_invariant_as(tree: PyTree, reference: PyTree) -> PyTree:
+    """``tree`` with each leaf that varies over replica axes its ``reference`` (the
+    abstract value it would have had) does not vary over made invariant again: it
+    is the same on those replicas (computed from parameters alone), so their
+    ``pmax`` is the value itself, exactly."""
+    axes = get_replica_context().axis_name
+
+    def fix(x, ref):
+        extra = tuple(a for a in varying_axes(x, axes) if a not in ref.manual_axis_type.varying)
+        if not extra or not hasattr(x, "dtype"):
+            return x
+        if x.dtype == jnp.bool_:
+            return jax.lax.pmax(x.astype(jnp.int8), extra).astype(jnp.bool_)
+        if jnp.issubdtype(x.dtype, jnp.number):
+            return jax.lax.pmax(x, extra)
+        return x  # (a PRNG key computed from parameters alone: left varying)
+
+    return jax.tree.map(fix, tree, reference)
 
 
 def all_finite(tree: PyTree) -> jax.Array:

@@ -2,17 +2,28 @@
 
 A leaf sharded over the replica axes (``fsdp``, or ``data`` by a rule) reaches
 a per-replica step whole: `Replicator.run` all-gathers it on entry, typed
-replica-invariant, so the step is the code it would be on one device. Autodiff
-sums its gradient across the replicas already (the transpose of an invariant
-value that a per-replica loss uses is a ``psum``); the wrapped optimizer
-(`replicator.optim`) keeps each device's slice of that gradient, updates the
-device's slice of the parameter with its slice of the optimizer state (ZeRO:
-each device stores and updates 1/N), and all-gathers the update so the step
-applies it to the whole parameter as written. Optimizer state (leaves under an
-``opt_state`` field) is never gathered: it reaches the step as the device's
-slice, the wrapped optimizer updates the slice, and the slice leaves `run`. On
-the way out `run` keeps of each whole parameter only the device's slice:
-between steps each device holds 1/N of both.
+replica-invariant, so the step is the code it would be on one device. Optimizer
+state (leaves under an ``opt_state`` field) is never gathered: it reaches the
+step as the device's slice. Between steps each device holds 1/N of both.
+
+What crosses the devices in a step written with `rp.TrainState` (measured in
+``tests/test_zero.py``): the parameters, all-gathered once for the forward pass;
+their gradients, reduce-scattered (each device receives its 1/N of the sum,
+once per step however many microbatches); nothing else of size. For that,
+`TrainState.value_and_grad` differentiates with the gathered parameters typed
+varying (`unsummed`), so autodiff leaves each device its own gradient instead of
+all-reducing it whole; the step still reads the summed gradient (`summed`), an
+all-reduce XLA drops as dead code unless the step uses it (a norm, a clip). The
+wrapped optimizer (`replicator.optim`) updates each device's slice of each
+parameter with its slice of the gradient and of the optimizer state, and
+`TrainState.apply_gradients` adds the update's slice to the parameter's slice
+(`apply_updates`). The whole update and the whole new parameter are gathered
+for a step that reads them, and are dead code otherwise: `run` returns the
+slices they were gathered from (`slice_for`).
+
+A step that differentiates on its own (``jax.grad``, ``nnx.value_and_grad``)
+gets the gradients autodiff all-reduces, and the wrapped optimizer slices them:
+exact, with data parallelism's traffic for the gradients.
 
 An optimizer whose update is not elementwise per parameter (a global-norm clip,
 Adafactor's factored moments, LAMB's trust ratio, matrix optimizers) would see
@@ -36,12 +47,13 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.context import sum_varying
+from replicator.context import sum_varying, vary, varying_axes
 from replicator.runtime import compat
 
 PyTree = Any
@@ -51,8 +63,11 @@ PyTree = Any
 class _Trace:
     """The sharded inputs of the per-replica step being traced."""
 
-    wholes: dict[int, P] = dataclasses.field(default_factory=dict)  # id(gathered leaf) -> spec
-    slice_of: dict[int, Any] = dataclasses.field(default_factory=dict)  # id(gathered) -> slice
+    axes: tuple[str, ...] = ()  # the replica axes
+    wholes: dict[int, P] = dataclasses.field(default_factory=dict)  # id(gathered input) -> spec
+    # id(whole) -> (this device's slice, spec), for every whole gathered in the step:
+    # the inputs, the updates, the new parameters
+    slice_of: dict[int, tuple] = dataclasses.field(default_factory=dict)
     # whole shape -> the specs of the sharded inputs of that shape
     by_shape: dict[tuple, set] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set)
@@ -65,6 +80,10 @@ class _Trace:
     by_slice_shape: dict[tuple, set] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set)
     )
+    # id(summed gradient) -> this device's own, unsummed gradient (see `unsummed`)
+    partial_of: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # id(summed gradient) -> this device's slice of it, reduce-scattered
+    grad_slice: dict[int, Any] = dataclasses.field(default_factory=dict)
     keep: list = dataclasses.field(default_factory=list)  # keeps the ids above valid
 
 
@@ -100,7 +119,7 @@ def gather_inputs(
     ``paths`` are the leaves' key paths in the arguments: the optimizer pairs a
     gradient with the parameter whose path ends like the gradient's.
     """
-    trace, out = _Trace(), []
+    trace, out = _Trace(axes=tuple(axes)), []
     for x, sharding, path in zip(leaves, shardings, paths):
         if sharding is None:
             out.append(x)
@@ -111,11 +130,10 @@ def gather_inputs(
             trace.by_slice_shape[x.shape].add(spec)
             out.append(x)
             continue
-        whole = gather(x, spec)
-        trace.wholes[id(whole)], trace.slice_of[id(whole)] = spec, x
+        whole = _gathered(trace, x, spec)
+        trace.wholes[id(whole)] = spec
         trace.by_shape[whole.shape].add(spec)
         trace.paths.append((tuple(path), whole.shape, spec, sharding))
-        trace.keep += [x, whole]
         out.append(whole)
     return out, trace
 
@@ -141,6 +159,35 @@ def gather(x: jax.Array, spec: P) -> jax.Array:
         if axes:
             x = compat.all_gather_invariant(x, axes, dim)
     return x
+
+
+def _gathered(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
+    """`gather`, remembering the slice: what the whole stands for needs no slicing."""
+    whole = gather(x, spec)
+    trace.slice_of[id(whole)] = (x, spec)
+    trace.keep += [x, whole]
+    return whole
+
+
+def slice_for(x: Any, spec: P) -> jax.Array | None:
+    """The slice ``x`` was gathered from in the step being traced, if it was (split as
+    ``spec`` says), else None: `Replicator.run` returns it as the device's part of
+    a parameter instead of slicing the whole, so the gather is dead code."""
+    trace = _CURRENT.get()
+    found = trace and trace.slice_of.get(id(x))
+    return found[0] if found and found[1] == spec else None
+
+
+def reduce_scatter(x: jax.Array, spec: P, axes: Sequence[str]) -> jax.Array:
+    """``x``, varying over the replica ``axes``, summed over them -> this device's slice
+    of the sum, split as ``spec`` says (`local_slice` of ``psum(x)``): a reduce-
+    scatter over the axes that split it, a sum over the others."""
+    split = {a for e in spec for a in _axes(e)}
+    rest = tuple(a for a in varying_axes(x, axes) if a not in split)
+    for dim, dim_axes in enumerate(_axes(e) for e in spec):
+        if dim_axes:
+            x = jax.lax.psum_scatter(x, dim_axes, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(x, rest) if rest else x
 
 
 def local_slice(x: jax.Array, spec: P) -> jax.Array:
@@ -180,6 +227,121 @@ def output_sharding(x: jax.Array, varying: Sequence[str], path: tuple) -> NamedS
     return min(candidates, key=lambda c: c[:2])[2] if candidates else None
 
 
+# ---------------------------------------------------------------- gradients
+
+
+def unsummed(params: PyTree) -> tuple[PyTree, list[bool] | None]:
+    """``params`` to differentiate so that each sharded parameter's gradient stays
+    this device's own, unsummed: the gathered parameter typed varying over the
+    replica axes. (Autodiff would all-reduce it whole: the transpose of an
+    invariant value used by a per-replica loss is a ``psum``.) `summed` hands the
+    step the sum it expects; the wrapped optimizer reduce-scatters the unsummed
+    gradient instead. Returns the marks `summed` needs, None if nothing is sharded.
+    """
+    trace = _CURRENT.get()
+    if trace is None or not trace.wholes:
+        return params, None
+    leaves, treedef = jax.tree.flatten(params)
+    marks = [id(x) in trace.wholes and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+    if not any(marks):
+        return params, None
+    varied = [vary(x, trace.axes) if m else x for x, m in zip(leaves, marks)]
+    return jax.tree.unflatten(treedef, varied), marks
+
+
+def summed(grads: PyTree, marks: list[bool] | None) -> PyTree:
+    """The gradients of `unsummed` parameters summed over the replicas, as the step
+    reads them. Each remembers its unsummed self: the wrapped optimizer reduce-
+    scatters that, and this all-reduce is dead code (dropped by XLA) unless the
+    step reads the whole gradient itself (a norm, a clip)."""
+    if marks is None:
+        return grads
+    trace = _CURRENT.get()
+    leaves, treedef = jax.tree.flatten(grads)
+    out = []
+    for g, marked in zip(leaves, marks, strict=True):
+        if marked and varying_axes(g, trace.axes):
+            total = sum_varying(g, trace.axes)
+            trace.partial_of[id(total)] = g
+            trace.keep += [total, g]
+            g = total
+        out.append(g)
+    return jax.tree.unflatten(treedef, out)
+
+
+def scatter_gradients(grads: PyTree, params: PyTree) -> PyTree:
+    """``grads`` with each gradient `summed` left unsummed as this device's slice of the
+    sum (reduce-scattered once; the optimizer updates with the same slice).
+    `rp.TrainState.apply_gradients` looks for non-finite values in these."""
+    trace = _CURRENT.get()
+    if trace is None or not trace.partial_of:
+        return grads
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = _grad_specs(trace, grads, params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            _grad_slice(trace, g, s) if id(g) in trace.partial_of and _known(s) else g
+            for g, s in zip(leaves, specs)
+        ],
+    )
+
+
+def _grad_slice(trace: _Trace, g: jax.Array, spec: P) -> jax.Array:
+    piece = trace.grad_slice.get(id(g))
+    if piece is None:
+        piece = reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
+        trace.grad_slice[id(g)] = piece
+        trace.keep.append(piece)
+    return piece
+
+
+def param_slices(params: PyTree) -> PyTree:
+    """``params`` with each gathered sharded parameter as this device's slice of it."""
+    trace = _CURRENT.get()
+    if trace is None:
+        return params
+    return jax.tree.map(lambda x: trace.slice_of[id(x)][0] if id(x) in trace.wholes else x, params)
+
+
+def apply_updates(params: PyTree, updates: PyTree, wholes: PyTree) -> PyTree:
+    """``optax.apply_updates`` on `param_slices` (``params``; ``wholes`` the parameters
+    they are slices of): each sharded parameter's slice takes its update's slice
+    (ZeRO: the whole update is never needed), the others their whole update."""
+    trace = _CURRENT.get()
+    if trace is None:
+        return optax.apply_updates(params, updates)
+
+    def apply(p, u, whole):
+        if p is None:
+            return None
+        spec = trace.wholes.get(id(whole))
+        if spec is not None:
+            piece = slice_for(u, spec)
+            u = local_slice(u, spec) if piece is None else piece
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree.map(apply, params, updates, wholes, is_leaf=lambda x: x is None)
+
+
+def param_wholes(slices: PyTree, wholes: PyTree) -> PyTree:
+    """The inverse of `param_slices`: each slice gathered whole again, remembered, so
+    that `Replicator.run` returns the slice and the gather is dead code."""
+    trace = _CURRENT.get()
+    if trace is None:
+        return slices
+
+    def whole(x, was):
+        spec = trace.wholes.get(id(was))
+        if spec is None:
+            return x
+        x = _gathered(trace, x, spec)
+        trace.wholes[id(x)] = spec  # a parameter as the step's inputs are
+        return x
+
+    return jax.tree.map(whole, slices, wholes)
+
+
 def _common_suffix(a: tuple, b: tuple) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
@@ -190,6 +352,10 @@ def _common_suffix(a: tuple, b: tuple) -> int:
 # ---------------------------------------------------------------- optimizer
 
 _AMBIGUOUS = P("ambiguous")  # a leaf shaped like parameters sharded in different ways
+
+
+def _known(spec: P | None) -> bool:
+    return spec is not None and spec is not _AMBIGUOUS
 
 
 def update(
@@ -203,10 +369,12 @@ def update(
     """``tx.update`` of per-replica gradients, ZeRO-style for sharded parameters.
 
     Each device updates its slice of each sharded parameter with its slice of
-    the summed gradient and of the optimizer state; the updates are gathered
-    whole, so the step applies them as it would on one device, and optimizer
-    state that came in as a slice stays one (any other is gathered whole
-    again). Other gradients are all-reduced as under data parallelism.
+    the summed gradient (reduce-scattered where `summed` left it unsummed) and
+    of the optimizer state; the updates are gathered whole, so the step can
+    apply them as it would on one device (`apply_updates` takes the slices
+    instead), and optimizer state that came in as a slice stays one (any other
+    is gathered whole again). Other gradients are all-reduced as under data
+    parallelism.
     """
     trace = _CURRENT.get()
     grad_leaves, grad_def = jax.tree.flatten(grads)
@@ -224,9 +392,11 @@ def update(
         return updates, _map_where(new_state, sliced, state_specs, local_slice)
     pieces = [_map(trace, tree, s, _slice) for tree, s in zip((grads, state, params), specs)]
     updates, new_state = tx.update(*pieces, **extra_args)
-    whole = lambda trace, x, spec: gather(x, spec)  # noqa: E731
     unsliced = [None if kept else s for kept, s in zip(sliced, state_specs)]  # slices stay
-    return _map(trace, updates, grad_specs, whole), _map(trace, new_state, unsliced, whole)
+    return (
+        _map(trace, updates, grad_specs, _gathered),
+        _map(trace, new_state, unsliced, _gathered),
+    )
 
 
 def _is_optimizer_state(path: Sequence[Any]) -> bool:
@@ -265,7 +435,9 @@ def _slice(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
     input, ``x`` where it is a slice already (optimizer state)."""
     if _is_slice(trace, x):
         return x
-    piece = trace.slice_of.get(id(x))
+    if id(x) in trace.partial_of:  # a gradient `summed` left unsummed: reduce-scatter it
+        return _grad_slice(trace, x, spec)
+    piece = slice_for(x, spec)
     return local_slice(x, spec) if piece is None else piece
 
 

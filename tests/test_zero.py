@@ -115,24 +115,28 @@ def test_run_keeps_the_state_sharded_and_equals_one_device(mesh_name, make_tx, a
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
 
 
-def gathered_bytes(hlo: str) -> int:
-    """The bytes all-gathered by a compiled program (its all-gather results)."""
+def collective_bytes(hlo: str, op: str) -> int:
+    """The bytes a compiled program's ``op`` collectives (all-gather, all-reduce,
+    reduce-scatter) produce: the size of their results."""
     total = 0
     for line in hlo.splitlines():
-        op = re.search(r" = (.*?) all-gather(?:-start)?\(", line)
-        if op:
-            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", op.group(1)):
+        found = re.search(rf" = (.*?) {op}(?:-start)?\(", line)
+        if found:
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", found.group(1)):
                 size = np.dtype({"f32": "float32", "bf16": "bfloat16"}.get(dtype, "int32"))
                 total += size.itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
     return total
 
 
-def test_optimizer_state_is_never_gathered_whole():
-    """ZeRO's saving inside the step: under run on fsdp=8, the parameters are gathered
-    for the forward pass and the updates once each, Adam's two moments never."""
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_zero_gathers_parameters_once_and_reduce_scatters_gradients(grad_accum_steps):
+    """ZeRO's traffic inside run's step on fsdp=8: the parameters all-gathered once for
+    the forward pass; their gradients reduce-scattered (each device receives 1/8),
+    once per step even with microbatches; Adam's moments and the updates never
+    gathered; only the small replicated biases all-reduced."""
     repl = rp.Replicator(mesh=MESHES["fsdp8"], rules=RULES)
     tx = repl.wrap_optimizer(optax.adam(1e-2))
-    state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
+    state = repl.init(lambda key: make_state(tx, key, grad_accum_steps), jax.random.key(0))
 
     def step(state, batch):
         loss, grads = state.value_and_grad(loss_fn, batch)
@@ -140,11 +144,43 @@ def test_optimizer_state_is_never_gathered_whole():
 
     batch = repl.shard_batch(next(batches(1)))
     hlo = repl.lower(step, state, batch, donate_argnums=(0,)).compile().as_text()
-    sharded = sum(
-        x.size * 4 for x in jax.tree.leaves(state.params) if len(x.sharding.device_set) > 1
-        and not x.sharding.is_fully_replicated
-    )  # fmt: skip
-    assert gathered_bytes(hlo) <= 2.1 * sharded  # (moments too would make it 4x and more)
+    leaves = jax.tree.leaves(state.params)
+    sharded = [x for x in leaves if not x.sharding.is_fully_replicated]
+    whole_bytes = sum(x.size * 4 for x in sharded)
+    assert len(sharded) == 3  # the kernels
+    assert collective_bytes(hlo, "all-gather") == whole_bytes  # once, for the forward pass
+    assert collective_bytes(hlo, "reduce-scatter") == whole_bytes // 8  # the gradients' slices
+    replicated = sum(x.size * 4 for x in leaves if x.sharding.is_fully_replicated)
+    assert collective_bytes(hlo, "all-reduce") <= replicated + 8  # biases, the finite flag
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_what_the_step_reads_is_what_it_reads_unsharded(grad_accum_steps):
+    """The optimizer reduce-scatters unsummed gradients, yet the step still reads the
+    summed whole gradient (its norm), and a value of the parameters alone comes
+    back mirrored, not per replica: sharded equals unsharded."""
+
+    def train(mesh):
+        repl = rp.Replicator(mesh=mesh, rules=RULES)
+        tx = repl.wrap_optimizer(optax.sgd(0.1))
+
+        def step(state, batch):
+            def loss(params, batch):
+                return loss_fn(params, batch), optax.global_norm(params)
+
+            (loss, weight_norm), grads = state.value_and_grad(loss, batch, has_aux=True)
+            return state.apply_gradients(grads, tx), optax.global_norm(grads), weight_norm
+
+        state = repl.init(lambda key: make_state(tx, key, grad_accum_steps), jax.random.key(0))
+        return repl.run(step, state, repl.shard_batch(next(batches(1))))
+
+    out = {name: train(mesh) for name, mesh in [("cube", MESHES["cube"]), ("data8", {"data": 8})]}
+    (state, grad_norm, weight_norm), (want, want_grad_norm, want_weight_norm) = out.values()
+    assert grad_norm.shape == weight_norm.shape == ()  # mirrored, as unsharded
+    np.testing.assert_allclose(grad_norm, want_grad_norm, rtol=1e-5)
+    np.testing.assert_allclose(weight_norm, want_weight_norm, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_a_non_elementwise_optimizer_is_exact_with_a_warning():
