@@ -96,15 +96,17 @@ def is_per_replica(x: Any) -> bool:
 
 
 def mark_like(tree: PyTree, like: PyTree) -> PyTree:
-    """Records the leaves of ``tree`` as per-replica where ``like``'s leaves are.
+    """Records the leaves of ``tree`` as per-replica (or as parameters split like a
+    batch) where ``like``'s leaves are.
 
     For values rebuilt from others, e.g. a checkpoint restored onto a state whose
     BatchNorm statistics were per-replica.
     """
 
     def mark(x, reference):
-        if is_per_replica(reference) and isinstance(x, jax.Array):
-            remember(x, Kind.PER_REPLICA)
+        kind = known_kind(reference)
+        if kind in (Kind.PER_REPLICA, Kind.SHARDED) and isinstance(x, jax.Array):
+            remember(x, kind)
         return x
 
     return jax.tree.map(mark, tree, like)

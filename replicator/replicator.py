@@ -330,7 +330,11 @@ class Replicator:
           state = repl.init(lambda key: rp.TrainState.create(
               model.init(key, x)["params"], tx, key), jax.random.key(0))
         """
-        return sharding.init_sharded(init_fn, self.param_shardings, *args)
+        state = sharding.init_sharded(init_fn, self.param_shardings, *args)
+        for x in jax.tree.leaves(state):  # a parameter split like a batch (a rule's choice)
+            if self._layout(getattr(x, "sharding", None)) is _SPLIT:
+                pr.remember(x, Kind.SHARDED)
+        return state
 
     def sharding_report(self, state: PyTree) -> str:
         """Bytes per device per top-level subtree, the largest parameters left

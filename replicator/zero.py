@@ -82,8 +82,8 @@ class _Trace:
     )
     # id(summed gradient) -> this device's own, unsummed gradient (see `unsummed`)
     partial_of: dict[int, Any] = dataclasses.field(default_factory=dict)
-    # id(summed gradient) -> this device's slice of it, reduce-scattered
-    grad_slice: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # id(summed gradient) -> (this device's slice of it, spec, it), while `scattered` lasts
+    grad_slice: dict[int, tuple] = dataclasses.field(default_factory=dict)
     keep: list = dataclasses.field(default_factory=list)  # keeps the ids above valid
 
 
@@ -269,31 +269,41 @@ def summed(grads: PyTree, marks: list[bool] | None) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
-def scatter_gradients(grads: PyTree, params: PyTree) -> PyTree:
-    """``grads`` with each gradient `summed` left unsummed as this device's slice of the
-    sum (reduce-scattered once; the optimizer updates with the same slice).
-    `rp.TrainState.apply_gradients` looks for non-finite values in these."""
+@contextlib.contextmanager
+def scattered(grads: PyTree, params: PyTree) -> Iterator[PyTree]:
+    """While `rp.TrainState.apply_gradients` traces one update: ``grads`` with each
+    gradient `summed` left unsummed as this device's slice of the sum, reduce-
+    scattered once; the wrapped optimizer updates with these slices (it finds
+    them by the summed gradient) until the block ends. Not kept beyond: a slice
+    belongs to the trace it was made in (an update inside a ``lax.cond`` branch
+    must not hand its slices to the next one)."""
     trace = _CURRENT.get()
     if trace is None or not trace.partial_of:
-        return grads
+        yield grads
+        return
     leaves, treedef = jax.tree.flatten(grads)
-    specs = _grad_specs(trace, grads, params)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            _grad_slice(trace, g, s) if id(g) in trace.partial_of and _known(s) else g
-            for g, s in zip(leaves, specs)
-        ],
-    )
+    made, out = {}, []
+    for g, spec in zip(leaves, _grad_specs(trace, grads, params)):
+        if id(g) in trace.partial_of and _known(spec):
+            piece = reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
+            made[id(g)] = (piece, spec, g)  # (g: keeps its id from being reused)
+            g = piece
+        out.append(g)
+    outer = trace.grad_slice
+    trace.grad_slice = {**outer, **made}
+    try:
+        yield jax.tree.unflatten(treedef, out)
+    finally:
+        trace.grad_slice = outer
 
 
 def _grad_slice(trace: _Trace, g: jax.Array, spec: P) -> jax.Array:
-    piece = trace.grad_slice.get(id(g))
-    if piece is None:
-        piece = reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
-        trace.grad_slice[id(g)] = piece
-        trace.keep.append(piece)
-    return piece
+    """This device's slice of the summed gradient ``g``, reduce-scattered from the
+    unsummed one (or the slice `scattered` made, while it lasts)."""
+    found = trace.grad_slice.get(id(g))
+    if found is not None and found[1] == spec:
+        return found[0]
+    return reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
 
 
 def param_slices(params: PyTree) -> PyTree:
@@ -301,6 +311,7 @@ def param_slices(params: PyTree) -> PyTree:
     trace = _CURRENT.get()
     if trace is None:
         return params
+    # (Every whole in ``trace.wholes`` was gathered by `_gathered`, which remembers its slice.)
     return jax.tree.map(lambda x: trace.slice_of[id(x)][0] if id(x) in trace.wholes else x, params)
 
 
@@ -309,19 +320,17 @@ def apply_updates(params: PyTree, updates: PyTree, wholes: PyTree) -> PyTree:
     they are slices of): each sharded parameter's slice takes its update's slice
     (ZeRO: the whole update is never needed), the others their whole update."""
     trace = _CURRENT.get()
-    if trace is None:
-        return optax.apply_updates(params, updates)
+    if trace is not None:
 
-    def apply(p, u, whole):
-        if p is None:
-            return None
-        spec = trace.wholes.get(id(whole))
-        if spec is not None:
-            piece = slice_for(u, spec)
-            u = local_slice(u, spec) if piece is None else piece
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+        def piece(u, whole):
+            spec = trace.wholes.get(id(whole))
+            if u is None or spec is None:
+                return u
+            found = slice_for(u, spec)
+            return local_slice(u, spec) if found is None else found
 
-    return jax.tree.map(apply, params, updates, wholes, is_leaf=lambda x: x is None)
+        updates = jax.tree.map(piece, updates, wholes, is_leaf=lambda x: x is None)
+    return optax.apply_updates(params, updates)
 
 
 def param_wholes(slices: PyTree, wholes: PyTree) -> PyTree:

@@ -183,6 +183,28 @@ def test_what_the_step_reads_is_what_it_reads_unsharded(grad_accum_steps):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_updates_inside_a_cond_branch_and_after_it():
+    """The reduce-scattered gradients belong to the update that made them: an update
+    traced inside a ``lax.cond`` branch (once in each branch, and again after the
+    cond) never hands its slices to another (they would be tracers of the wrong
+    trace)."""
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        pick = lambda s: s.apply_gradients(grads, tx)  # noqa: E731
+        state = jax.lax.cond(loss > 0, pick, lambda s: pick(s).replace(rng=s.rng), state)
+        return state.apply_gradients(grads, tx), loss
+
+    out = []
+    for mesh in (MESHES["data4_fsdp2"], {"data": 8}):
+        repl = rp.Replicator(mesh=mesh, rules=RULES)
+        tx = repl.wrap_optimizer(optax.sgd(0.1))
+        state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))  # noqa: B023
+        out.append(repl.run(step, state, repl.shard_batch(next(batches(1))))[0])
+    for a, b in zip(jax.tree.leaves(out[0].params), jax.tree.leaves(out[1].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_a_non_elementwise_optimizer_is_exact_with_a_warning():
     """A global-norm clip over slices would clip by a slice's norm; the update runs whole."""
     make_tx = lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))  # noqa: E731
@@ -233,6 +255,32 @@ def test_a_parameter_sharded_over_fsdp_alone_is_not_taken_for_a_batch():
     rows = repl.run(lambda w, x: (x @ w)[:, 0], w, x)  # each replica: its row, the whole w
     column = np.arange(256 * 128.0).reshape(256, 128)[:, 0]
     np.testing.assert_allclose(np.asarray(rows).reshape(-1), np.full(8, column.sum()))
+
+
+def test_a_parameter_split_over_all_replicas_like_a_batch_is_not_taken_for_one(tmp_path):
+    """A rule may split a parameter's first axis over ("data", "fsdp"), exactly as a
+    batch is split: what `repl.init` made is known to be a parameter, and so is
+    what run returns for it and a checkpoint restores into it."""
+    repl = rp.Replicator(mesh={"data": 2, "fsdp": 4}, rules=[("w", (("data", "fsdp"), None))])
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    state = repl.init(lambda: {"w": jnp.arange(256 * 128.0).reshape(256, 128) / 1e4})
+    assert state["w"].sharding.spec == P(("data", "fsdp"))
+
+    def step(params, x):
+        grads = jax.grad(lambda p: rp.compute_average_loss(jnp.sum(x @ p["w"], -1)))(params)
+        return optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+
+    x = repl.shard_batch(np.ones((16, 256), np.float32))
+    once = repl.run(step, state, x)
+    with rp.Checkpoints(tmp_path, repl) as checkpoints:
+        checkpoints.save(1, once)
+        checkpoints.wait()
+        once = checkpoints.restore(like=once)
+    twice = repl.run(step, once, x)
+    assert twice["w"].sharding.spec == P(("data", "fsdp"))
+    np.testing.assert_allclose(
+        np.asarray(twice["w"]), np.asarray(state["w"]) - 0.2, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_gradients_pair_with_their_parameters_by_path_when_shapes_collide():
