@@ -4,7 +4,9 @@ Trains the 12-layer, 768-wide, 12-head decoder of GPT-2 small (learned
 positions, tied embeddings, context 1024; 124M parameters with GPT-2's
 50,257-token vocabulary, 86M with bytes) in bf16 from float32 parameters,
 with AdamW at 6e-4 (100 warmup steps, cosine decay to 10%), a global batch
-of 16 windows (16,384 tokens), data-parallel over every local device.
+of 16 windows (16,384 tokens), with parameters and optimizer state sharded
+over every local device (FSDP, ``fsdp=-1``; data parallelism instead:
+``--config.mesh.data=-1 --config.mesh.fsdp=1``).
 Attention runs through cuDNN's fused kernel on GPUs. Data: every ``.py`` file
 of the interpreter's standard library (``python_stdlib/all_1024``: 29,025
 train / 1,762 test windows of 1,024 bytes on CPython 3.11.7, 31.5 MB, built
@@ -53,7 +55,7 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     c.learning_rate = 6e-4
     c.optimizer = "adamw"
     c.seed = 0
-    c.mesh = dict(data=-1, fsdp=1, tensor=1)  # every axis, so each can be overridden
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)  # every axis, so each can be overridden
     c.precision = "bf16"
     c.log_every_steps = 50
     c.eval_every_steps = 500
