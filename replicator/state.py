@@ -180,6 +180,7 @@ class TrainState:
         tx: optax.GradientTransformation,
         *,
         model_state: PyTree = None,
+        skip_nonfinite: bool = True,
     ) -> TrainState:
         """One optimizer update, skipped when any gradient is not finite.
 
@@ -193,6 +194,10 @@ class TrainState:
           grads: the gradients, from `value_and_grad`.
           tx: the (wrapped) optimizer.
           model_state: the new model state from `value_and_grad`, if any.
+          skip_nonfinite: False applies every update, finite or not: the
+            compiled step has no conditional over the state (and no check of
+            the gradients), and a non-finite gradient reaches the parameters.
+            Not with a loss scale (fp16), which needs the skip.
         """
 
         def update(params, opt_state):
@@ -201,15 +206,27 @@ class TrainState:
             # Under DiLoCo, islands just synced hold the outer parameters bitwise.
             return diloco.settle(params, opt_state), opt_state
 
+        if not skip_nonfinite and self.loss_scale is not None:
+            raise ValueError(
+                "apply_gradients(skip_nonfinite=False) with a loss scale: fp16 loss scaling "
+                "finds its scale by skipping the steps that overflow. Keep the default."
+            )
         # Sharded parameters under run (ZeRO) are updated as this device's slices, with
         # its slices of the gradients (see `replicator.zero`); else all of this is whole.
         with zero.scattered(grads, self.params) as pieces:
+            operands = zero.param_slices(self.params), self.opt_state
+            if not skip_nonfinite:
+                params, opt_state = update(*operands)
+                return self.replace(
+                    step=self.step + 1,
+                    params=zero.param_wholes(params, self.params),
+                    opt_state=opt_state,
+                    model_state=self.model_state if model_state is None else model_state,
+                )
             finite = _agreed(all_finite(pieces))
             # One branch for the whole update: a per-leaf select would copy every
             # parameter and optimizer leaf each step (measured: 13% slower at 8 devices).
-            params, opt_state = jax.lax.cond(
-                finite, update, lambda p, o: (p, o), zero.param_slices(self.params), self.opt_state
-            )
+            params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), *operands)
         params = zero.param_wholes(params, self.params)
         if model_state is None:
             model_state = self.model_state

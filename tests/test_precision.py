@@ -136,6 +136,58 @@ def test_fp16_inf_on_one_replica_skips_everywhere_and_halves_the_scale():
     assert int(state.skipped_steps) == 1
 
 
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_the_guard_is_one_conditional_and_can_be_left_out(path):
+    """The non-finite guard is one ``lax.cond`` around the update in the compiled step;
+    ``skip_nonfinite=False`` compiles none (and no check), donates the whole state
+    all the same, equals the guarded step on finite gradients, and applies a
+    non-finite one. A loss scale needs the guard: a clear error."""
+    repl = rp.Replicator()
+    tx = repl.wrap_optimizer(optax.adam(0.1))
+
+    def make(skip):
+        def train_step(state, batch):
+            def loss_fn(params, batch):
+                return rp.compute_average_loss(per_example_loss(params, batch))
+
+            loss, grads = state.value_and_grad(loss_fn, batch)
+            return state.apply_gradients(grads, tx, skip_nonfinite=skip), loss
+
+        return train_step
+
+    def fresh():
+        return repl.replicate(rp.TrainState.create(init_params(), tx, jax.random.key(0)))
+
+    batch = repl.shard_batch(make_batch(masked=0))
+    out = {}
+    for skip in (True, False):
+        step = make(skip)
+        if path == "run":
+            lowered = repl.lower(step, fresh(), batch, donate_argnums=(0,))
+            call = lambda s, b, step=step: repl.run(step, s, b, donate_argnums=(0,))  # noqa: E731
+        else:
+            call = repl.compile(step, donate_argnums=(0,))
+            lowered = call.jitted.lower(fresh(), batch)
+        hlo = lowered.compile().as_text()
+        assert hlo.count(" conditional(") == (1 if skip else 0)
+        leaves = len(jax.tree.leaves(fresh()))
+        assert hlo.count("may-alias") + hlo.count("must-alias") == leaves  # all donated
+        out[skip] = call(fresh(), batch)[0]
+    jax.tree.map(np.testing.assert_array_equal, out[True].params, out[False].params)
+
+    bad = make_batch(masked=0)
+    bad["x"][5] = np.inf
+    state = call(fresh(), repl.shard_batch(bad))[0]  # unguarded
+    assert not np.isfinite(np.asarray(state.params["w1"])).all()
+    assert int(state.skipped_steps) == 0 and int(state.step) == 1
+
+    scaled = rp.TrainState.create(
+        init_params(), tx, jax.random.key(0), loss_scale=rp.LossScale.create()
+    )
+    with pytest.raises(ValueError, match="loss scal"):
+        repl.run(make(False), repl.replicate(scaled), batch)
+
+
 def test_loss_scale_survives_a_checkpoint(tmp_path):
     repl = rp.Replicator()
     tx = optax.adam(0.1)
