@@ -280,7 +280,10 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
     elif names is not None:
         entries = [tuple(a for a in _as_axes(n) if a in mesh.axis_names) for n in names]
         why = [f"nn.Partitioned{tuple(names)!r}"] * len(shape)
+    wanted = entries
     entries = _fit(path, shape, entries, mesh, problems)
+    # (Left whole because a dimension did not divide: reported once, as that.)
+    undivided = any(w and not e for w, e in zip(wanted, entries))
     reasons = [why[dim] for dim in range(len(shape)) if entries[dim]]
 
     fsdp = mesh.shape.get("fsdp", 1)
@@ -290,7 +293,7 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
             dim = max(free, key=lambda d: (shape[d], -d))
             entries[dim] = ("fsdp",)
             reasons.append(_AUTO_FSDP)
-    if not any(entries) and _is_sharded(mesh):
+    if not any(entries) and _is_sharded(mesh) and not undivided:
         problems.add(
             "replicated",
             f"{path} {shape} ({size:,} elements, {_format_bytes(size * dtype.itemsize)}) is "
@@ -385,7 +388,7 @@ class _Problems:
         for message in messages:
             warnings.warn(message, ShardingWarning, stacklevel=4)
 
-    def _message(self, kind: str, lines: list[str], limit: int = 10) -> str:
+    def _message(self, kind: str, lines: list[str], limit: int = 6) -> str:
         shown = "\n  ".join(lines[:limit])
         more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
         return f"{self._HEADERS[kind]}:\n  {shown}{more}"

@@ -193,6 +193,19 @@ def test_indivisible_dimension_is_kept_whole_with_a_warning():
         sh.param_shardings(abstract, mesh, [("embed",)])
 
 
+def test_a_parameter_left_whole_by_divisibility_is_reported_once():
+    """On 3 devices nothing of 16 or 64 divides: one warning names each parameter (the
+    first few), not a second one calling the same parameters replicated."""
+    abstract = jax.eval_shape(MLP(hidden=64).init, jax.random.key(0), jnp.zeros((1, 16)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = specs(sh.param_shardings(abstract, mesh_of(data=1, fsdp=3), RULES, min_size=100))
+    assert got["params"]["fc"]["kernel"] == P()
+    (warning,) = [w for w in caught if issubclass(w.category, sh.ShardingWarning)]
+    assert "do not divide" in str(warning.message)
+    assert "left replicated" not in str(warning.message)
+
+
 # ---------------------------------------------------------------- init and steps
 
 
