@@ -46,6 +46,7 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         dropout_rate=0.0,
         attention="auto",  # cuDNN on GPUs in bf16/fp16, XLA elsewhere
         remat=False,
+        loss_chunk=0,  # e.g. 128: logits 128 positions at a time (large vocabularies); 0: all
         warmup_steps=100,  # linear warmup, then cosine decay to 10% at num_train_steps
     )
     c.dataset = "python_stdlib/all_1024"

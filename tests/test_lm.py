@@ -158,6 +158,42 @@ def test_every_parameter_names_its_logical_axes(tie_embeddings):
     assert specs["block_0"]["mlp"]["fc"]["kernel"] == jax.sharding.PartitionSpec("embed", "mlp")
 
 
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_a_chunked_loss_equals_the_whole_one_without_whole_logits(tie_embeddings):
+    """``loss_chunk``: the same nats and gradients as the logits made whole, while the
+    compiled step's temporaries drop (the ``[batch, time, vocab]`` float32 logits
+    of a 4,096-token vocabulary never exist at once)."""
+    config = {**TINY, "vocab_size": 4096, "max_len": 64, "tie_embeddings": tie_embeddings}
+    tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, 4096)
+    targets = jnp.roll(tokens, -1, axis=1)
+    whole, chunked = Transformer(**config), Transformer(**config, loss_chunk=16)
+    params = whole.init(jax.random.key(0), tokens)
+    assert jax.tree.structure(params) == jax.tree.structure(chunked.init(jax.random.key(0), tokens))
+
+    def loss(model):
+        return lambda p: jnp.mean(model.apply(p, tokens, targets=targets))
+
+    steps = {m: jax.jit(jax.value_and_grad(loss(m))) for m in (whole, chunked)}
+    (want, want_grads), (got, got_grads) = (steps[m](params) for m in (whole, chunked))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), got_grads, want_grads)
+    nats = whole.apply(params, tokens, targets=targets)
+    logits = whole.apply(params, tokens)
+    np.testing.assert_allclose(nats, optax_nats(logits, targets), rtol=1e-6)
+    temp = {
+        m: steps[m].lower(params).compile().memory_analysis().temp_size_in_bytes
+        for m in (whole, chunked)
+    }
+    logits_bytes = 4 * 64 * 4096 * 4
+    assert temp[chunked] < temp[whole] - logits_bytes
+
+
+def optax_nats(logits, targets):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
 def test_too_long_a_sequence_is_a_one_line_error():
     message = "Sequence length 129 is above the model's max_len 128."
     with pytest.raises(ValueError, match=message):

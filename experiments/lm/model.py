@@ -15,12 +15,15 @@ them to mesh axes, e.g. ``("embed", "fsdp"), ("heads", "tensor"), ("mlp",
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
+from flax.linen.dtypes import promote_dtype
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -193,6 +196,63 @@ class Block(nn.Module):
         return x_BxTxE + dropout(h)
 
 
+class Head(nn.Module):
+    """The output projection ``[..., embed] -> [..., vocab]`` when embeddings are not
+    tied: `nn.Dense` without bias (the same ``head/kernel`` parameter), with the
+    kernel reachable as ``self.kernel`` for the chunked loss."""
+
+    features: int
+    in_features: int
+    dtype: Any = None
+
+    def setup(self):
+        init = _normal(0.02, (EMBED, VOCAB))
+        self.kernel = self.param("kernel", init, (self.in_features, self.features))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return project(x, self.kernel, self.dtype)
+
+
+def project(x_BxTxE: jax.Array, kernel_ExV: jax.Array, dtype: Any = None) -> jax.Array:
+    """``x @ kernel`` in ``dtype`` (promoted as flax layers promote): the logits."""
+    x_BxTxE, kernel_ExV = promote_dtype(x_BxTxE, kernel_ExV, dtype=dtype)
+    return jax.lax.dot_general(x_BxTxE, kernel_ExV, (((x_BxTxE.ndim - 1,), (0,)), ((), ())))
+
+
+def token_nats(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Per-token cross-entropy ``[B, T]`` in nats, computed in float32 (or wider)."""
+    logits_BxTxV = logits_BxTxV.astype(jnp.promote_types(logits_BxTxV.dtype, jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+
+
+def chunked_token_nats(
+    x_BxTxE: jax.Array, targets_BxT: jax.Array, logits_fn: Any, chunk: int
+) -> jax.Array:
+    """`token_nats` of ``logits_fn(x)``, ``chunk`` positions of the sequence at a time.
+
+    Each chunk's logits are made, reduced to nats and dropped, and made again in
+    the backward pass (``jax.checkpoint``): the ``[batch, time, vocab]`` logits,
+    and their float32 copy, never exist at once. The same numbers as computing
+    them whole, for a fraction of the memory when the vocabulary is large.
+    """
+
+    @jax.checkpoint
+    def nats(x, targets):
+        return token_nats(logits_fn(x), targets)
+
+    # A loop (lax.map), so that the chunks run one after another, the backward
+    # pass's too; unrolled, XLA may keep every chunk's logits alive at once.
+    batch, length = targets_BxT.shape
+    whole = length - length % chunk
+    x_NxBxCxE = jnp.moveaxis(x_BxTxE[:, :whole].reshape(batch, -1, chunk, x_BxTxE.shape[-1]), 1, 0)
+    targets_NxBxC = jnp.moveaxis(targets_BxT[:, :whole].reshape(batch, -1, chunk), 1, 0)
+    nats_NxBxC = jax.lax.map(lambda pair: nats(*pair), (x_NxBxCxE, targets_NxBxC))
+    pieces = [jnp.moveaxis(nats_NxBxC, 0, 1).reshape(batch, whole)]
+    if whole < length:  # the rest, shorter than a chunk
+        pieces.append(nats(x_BxTxE[:, whole:], targets_BxT[:, whole:]))
+    return jnp.concatenate(pieces, axis=1)
+
+
 class Transformer(nn.Module):
     """A decoder-only language model: ``tokens [batch, time] -> logits [batch, time, vocab]``.
 
@@ -214,6 +274,10 @@ class Transformer(nn.Module):
         (cuDNN on GPUs for 16-bit inputs, else XLA), ``"xla"`` or ``"cudnn"``.
       remat: recompute each block's activations in the backward pass (less
         memory, about a third more compute).
+      loss_chunk: with ``targets`` (the model computes its own loss), make the
+        logits this many positions of the sequence at a time, recomputed in the
+        backward pass: the ``[batch, time, vocab]`` logits never exist at once
+        (`chunked_token_nats`). None or 0: all positions at once.
       dtype: compute dtype; None (the default) computes in the dtype of the
         parameters, which is how replicator's precision policy sets it.
 
@@ -238,6 +302,7 @@ class Transformer(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     remat: bool = False
+    loss_chunk: int | None = None
     dtype: Any = None
 
     def __post_init__(self):
@@ -254,7 +319,11 @@ class Transformer(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, tokens_BxT: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(
+        self, tokens_BxT: jax.Array, *, train: bool = False, targets: jax.Array | None = None
+    ) -> jax.Array:
+        """The logits ``[batch, time, vocab]``; with ``targets`` ``[batch, time]``, the
+        per-token cross-entropy in nats instead (chunked by ``loss_chunk``)."""
         length = tokens_BxT.shape[1]
         check_length(length, self.max_len)
         embed = nn.Embed(
@@ -291,14 +360,15 @@ class Transformer(nn.Module):
             )(x_BxTxE)
         x_BxTxE = _layer_norm(self.dtype, "ln_final")(x_BxTxE)
         if self.tie_embeddings:
-            return embed.attend(x_BxTxE)
-        return nn.Dense(
-            self.vocab_size,
-            use_bias=False,
-            dtype=self.dtype,
-            kernel_init=_normal(0.02, (EMBED, VOCAB)),
-            name="head",
-        )(x_BxTxE)
+            logits_fn = functools.partial(project, kernel_ExV=embed.embedding.T, dtype=self.dtype)
+        else:
+            head = Head(self.vocab_size, self.embed_dim, self.dtype, name="head")
+            logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
+        if targets is None:
+            return logits_fn(x_BxTxE)
+        if not self.loss_chunk or self.loss_chunk >= length:
+            return token_nats(logits_fn(x_BxTxE), targets)
+        return chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
 
 
 def check_length(length: int, max_len: int) -> None:

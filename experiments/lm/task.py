@@ -56,10 +56,10 @@ def token_weights(batch: Mapping[str, jax.Array]) -> jax.Array:
 
 
 def token_nats(model: Any, params: Any, batch: Mapping[str, jax.Array], **kwargs) -> jax.Array:
-    """Per-token cross-entropy ``[B, L]`` of ``model``'s next-token predictions, in nats."""
-    logits_BxLxV = model.apply({"params": params}, batch["inputs"], **kwargs)
-    logits_BxLxV = logits_BxLxV.astype(jnp.promote_types(logits_BxLxV.dtype, jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+    """Per-token cross-entropy ``[B, L]`` of ``model``'s next-token predictions, in nats
+    (the model computes it: in chunks of the sequence with ``loss_chunk``)."""
+    nats_BxL = model.apply({"params": params}, batch["inputs"], targets=batch["targets"], **kwargs)
+    return nats_BxL.astype(jnp.promote_types(nats_BxL.dtype, jnp.float32))
 
 
 def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
