@@ -21,6 +21,7 @@ import math
 import queue
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -592,7 +593,17 @@ class Replicator:
         # 0.10 aborts compiling the partly manual program's low-precision all-reduces.
         low_precision = self.precision.compute_dtype != jnp.float32
         cpu_low = self.mesh.devices.flat[0].platform == "cpu" and low_precision
-        partial = self.mesh.shape["tensor"] > 1 and not cpu_low
+        # With one replica, XLA's partitioner cannot keep a manual subgroup of size 1
+        # (its collectives fail a RET_CHECK): then the tensor devices compute alike.
+        partial = self.mesh.shape["tensor"] > 1 and not cpu_low and self.num_replicas > 1
+        if self.mesh.shape["tensor"] > 1 and self.num_replicas == 1:
+            warnings.warn(
+                "run on a mesh of one replica: the step runs whole on each of the "
+                f"{self.mesh.shape['tensor']} tensor devices (exact, no tensor parallelism). "
+                "For tensor parallelism with one replica use repl.compile "
+                "(step_path='compile' in the trainer), or give data or fsdp more devices.",
+                stacklevel=4,
+            )
         manual = set(DATA_AXES) if partial else set(self.mesh.axis_names)
         shard_map = lambda body, out_specs: jax.shard_map(
             body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,

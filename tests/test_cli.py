@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -151,6 +152,23 @@ def test_a_workdir_of_another_experiment_is_refused_unless_forced(trained):
     done = run_cli(*common, "--force")
     # Forced onto the checkpoints of the other model: they do not fit, said in one line.
     assert_one_line_error(done, "does not fit", "saved shape (256, 32), expected (256, 64)")
+
+
+def test_a_key_a_newer_config_file_added_does_not_block_resuming(trained, tmp_path):
+    """A run saved before the config file gained a model key resumes without --force
+    (the key is at the file's value); overriding that key now is a change, refused."""
+    workdir, _, data_dir = trained
+    older = str(tmp_path / "older")
+    shutil.copytree(workdir, older)
+    saved = json.load(open(f"{older}/config.json"))
+    del saved["model"]["padding"]  # as if written before configs had model.padding
+    json.dump(saved, open(f"{older}/config.json", "w"))
+    common = ["train", *SMOKE, "--workdir", older, data_dir, "--config.model.dense_features=32"]
+    done = run_cli(*common, "--config.num_train_steps=6", "--config.model.padding=VALID")
+    assert_one_line_error(done, "another experiment", "model.padding: (absent) -> VALID")
+    done = run_cli(*common, "--config.num_train_steps=6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Final test metrics after 6 steps" in done.stdout
 
 
 def test_a_bug_keeps_its_traceback(tmp_path, digits_data_dir):

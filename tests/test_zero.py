@@ -115,6 +115,30 @@ def test_run_keeps_the_state_sharded_and_equals_one_device(mesh_name, make_tx, a
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
 
 
+def test_one_replica_with_tensor_parallelism_runs_whole_with_a_warning():
+    """data=1, fsdp=1, tensor=8: XLA cannot partition a manual subgroup of one replica,
+    so run computes the step whole on every tensor device, says so, stays exact,
+    and the state keeps its tensor sharding between steps."""
+    repl = rp.Replicator(mesh={"data": 1, "fsdp": 1, "tensor": 8}, rules=RULES)
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    assert state.params["fc"]["kernel"].value.sharding.spec == P(None, "tensor")
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx), loss
+
+    with pytest.warns(UserWarning, match="one replica"):
+        for batch in batches(2):
+            state, _ = repl.run(step, state, repl.shard_batch(batch))
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert x.sharding == s
+    want = one_device(optax.sgd(0.1), 2)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def collective_bytes(hlo: str, op: str) -> int:
     """The bytes a compiled program's ``op`` collectives (all-gather, all-reduce,
     reduce-scatter) produce: the size of their results."""

@@ -30,6 +30,7 @@ import re
 import sys
 import textwrap
 import traceback
+import warnings
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -243,7 +244,14 @@ def _eval(config, workdir: str, console: Console, chief: bool) -> None:
             if chief:
                 console.print(json.dumps(result))
         return
-    result = trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value)
+    from replicator.sharding import ShardingWarning
+
+    with warnings.catch_warnings():
+        # Eval reads the parameters onto whatever devices there are: that a mesh
+        # made for training shards some of them less here (say, 128 over 3 devices)
+        # was said when training, and asks nothing of the user now.
+        warnings.simplefilter("ignore", ShardingWarning)
+        result = trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value)
     if chief:
         console.print(json.dumps(result))
 
@@ -346,9 +354,13 @@ def _check_workdir(config, workdir: str) -> None:
     if saved is None or _FORCE.value:
         return
     current = config.to_dict()
+    # A key the run's config lacks came with a newer config file: no change unless
+    # overridden now (a different state would not restore anyway, with its own error).
+    overridden = set(config_flags.get_override_values(FLAGS["config"]))
     changes = config_differences(
         {k: saved.get(k) for k in ("experiment", "model")},
         {k: current.get(k) for k in ("experiment", "model")},
+        added_ok=lambda key: not any(o == key or o.startswith(f"{key}.") for o in overridden),
     )
     if changes:
         raise UsageError(

@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -261,17 +262,25 @@ def write_json(config: ml_collections.ConfigDict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Lists the keys whose values differ between two config dicts.
+def config_differences(
+    saved: dict, current: dict, prefix: str = "", *, added_ok: Callable[[str], bool] | None = None
+) -> list[str]:
+    """Lists the keys whose values differ between two config dicts; a key that
+    ``saved`` lacks is no difference where ``added_ok(key)`` says so (a key a
+    newer config file brought, left at its value).
 
     >>> config_differences({"a": 1, "m": {"b": 2}}, {"a": 1, "m": {"b": 3}, "c": 0})
     ['c: (absent) -> 0', 'm.b: 2 -> 3']
+    >>> config_differences({"m": {"b": 2}}, {"m": {"b": 2, "c": 0}}, added_ok=lambda k: True)
+    []
     """
     out = []
     for key in sorted(saved.keys() | current.keys()):
         old, new = saved.get(key, "(absent)"), current.get(key, "(absent)")
         if isinstance(old, dict) and isinstance(new, dict):
-            out += config_differences(old, new, f"{prefix}{key}.")
+            out += config_differences(old, new, f"{prefix}{key}.", added_ok=added_ok)
+        elif old == "(absent)" and added_ok is not None and added_ok(f"{prefix}{key}"):
+            continue
         elif _normalize(old) != _normalize(new):
             out.append(f"{prefix}{key}: {old} -> {new}")
     return out
