@@ -171,6 +171,21 @@ def test_a_key_a_newer_config_file_added_does_not_block_resuming(trained, tmp_pa
     assert "Final test metrics after 6 steps" in done.stdout
 
 
+def test_a_rerun_without_a_complete_checkpoint_says_it_starts_over(trained, tmp_path):
+    """Killed before its first checkpoint was whole: the rerun says it trains from step
+    0 and each step is recorded once."""
+    workdir, _, data_dir = trained
+    attempt = tmp_path / "attempt"
+    shutil.copytree(workdir, attempt)
+    shutil.rmtree(attempt / "checkpoints")
+    done = run_cli("train", *SMOKE, "--workdir", str(attempt), data_dir,
+                   "--config.model.dense_features=32")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "No complete checkpoint" in done.stderr and "training from step 0" in done.stderr
+    steps = [r["step"] for r in read_records(attempt) if "split" not in r]
+    assert steps == sorted(set(steps))
+
+
 def test_a_bug_keeps_its_traceback(tmp_path, digits_data_dir):
     (tmp_path / "buggy_experiment.py").write_text(
         "def make_experiment(settings):\n    return 1 / 0\n"

@@ -78,6 +78,13 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
         best_mode=config.best_mode,
     )
     state, start = _restore_or_init(run, checkpoints, train_iter, strict)
+    earlier = os.path.join(workdir, "metrics.jsonl")
+    if start == 0 and os.path.exists(earlier) and os.path.getsize(earlier):
+        log.info(
+            "No complete checkpoint in %s: training from step 0 (the earlier attempt's "
+            "records are replaced)",
+            checkpoints.directory,
+        )
     config_lib.write_json(config, os.path.join(workdir, "config.json"))
     batches = repl.distribute(train_iter)
     writer = MetricWriter(workdir, resume_step=start)
