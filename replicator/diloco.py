@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from replicator import per_replica as pr
 from replicator import zero
@@ -503,10 +504,10 @@ def island_delta(state: Any) -> np.ndarray:
 @jax.jit
 def _delta(params, outer):
     parts = [
-        (o.astype(jnp.float32) - p.astype(jnp.float32)).ravel()
+        o.astype(jnp.float32) - p.astype(jnp.float32)
         for p, o in zip(jax.tree.leaves(params), jax.tree.leaves(outer))
     ]
-    return jnp.concatenate(parts)
+    return ravel_pytree(parts)[0]
 
 
 def apply_mean_delta(policy: DiLoCo, state: Any, mean: np.ndarray) -> Any:
@@ -521,9 +522,7 @@ def apply_mean_delta(policy: DiLoCo, state: Any, mean: np.ndarray) -> Any:
 @functools.partial(jax.jit, static_argnums=0)
 def _outer_step(outer_tx, state, mean):
     leaves = jax.tree.leaves(state.opt_state.outer_params)
-    sizes = [x.size for x in leaves]
-    pieces = jnp.split(mean, np.cumsum(sizes)[:-1]) if len(leaves) > 1 else [mean]
-    delta = [p.reshape(x.shape) for p, x in zip(pieces, leaves)]
+    delta = ravel_pytree([x.astype(jnp.float32) for x in leaves])[1](mean)  # as `_delta` laid it
     mine = jax.tree.leaves(state.params)
     mine, new, outer = _apply_outer(outer_tx, delta, mine, leaves, state.opt_state.outer[0], 1.0)
     treedef = jax.tree.structure(state.params)

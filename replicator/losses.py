@@ -69,10 +69,7 @@ def compute_average_loss(
         loss = loss * weight.astype(loss.dtype)
     note_global_batch_loss()
     if global_batch_size is None:
-        ctx, island = get_replica_context(), island_axis()
-        # compile under DiLoCo sees one island's batch of the global one.
-        replicas = ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1
-        global_batch_size = loss.shape[0] * replicas * num_microbatches()
+        global_batch_size = loss.shape[0] * _replicas() * num_microbatches()
     return jnp.sum(loss) / jnp.asarray(global_batch_size, loss.dtype)
 
 
@@ -95,9 +92,15 @@ def scale_regularization_loss(regularization_loss: jax.typing.ArrayLike) -> jax.
     note_global_batch_loss()
     total = jnp.sum(jnp.asarray(regularization_loss))
     total = total.astype(jnp.promote_types(total.dtype, jnp.float32))
+    return total / _replicas()
+
+
+def _replicas() -> int:
+    """How many views of the batch the step being traced is one of: the replicas under
+    `Replicator.run`, the islands under `compile` with DiLoCo (each sees one island's
+    batch), else 1."""
     ctx, island = get_replica_context(), island_axis()
-    # compile under DiLoCo: each island's view counts as one of `islands` replicas.
-    return total / (ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1)
+    return ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1
 
 
 def global_sum(x: jax.typing.ArrayLike) -> jax.Array:

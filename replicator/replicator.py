@@ -595,8 +595,8 @@ class Replicator:
         cpu_low = self.mesh.devices.flat[0].platform == "cpu" and low_precision
         # With one replica, XLA's partitioner cannot keep a manual subgroup of size 1
         # (its collectives fail a RET_CHECK): then the tensor devices compute alike.
-        partial = self.mesh.shape["tensor"] > 1 and not cpu_low and self.num_replicas > 1
-        if self.mesh.shape["tensor"] > 1 and self.num_replicas == 1:
+        partial = self._tensor_parallel and not cpu_low and self.num_replicas > 1
+        if self._tensor_parallel and self.num_replicas == 1:
             warnings.warn(
                 "run on a mesh of one replica: the step runs whole on each of the "
                 f"{self.mesh.shape['tensor']} tensor devices (exact, no tensor parallelism). "
@@ -612,10 +612,10 @@ class Replicator:
 
         def call(*flat, whole=False):
             rows = [x[0] if k in _ROWS else x for x, k in zip(flat, kinds)]
-            rows, sharded = zero.gather_inputs(
+            rows, trace = zero.gather_inputs(
                 rows, [None] * len(rows) if whole else shardings, axes, paths
             )
-            with replica_context(ctx, getattr(fn, "__name__", "step")), zero.tracing(sharded):
+            with replica_context(ctx, getattr(fn, "__name__", "step")), zero.tracing(trace):
                 out = fn(*jax.tree.unflatten(treedef, rows))
                 # How each output leaves: mirrored (None), stacked per replica
                 # (_SPLIT), or sharded like the sharded input it stands for.

@@ -513,7 +513,7 @@ def _elementwise(fn, args: tuple, extra: dict, specs: tuple, sliced: list) -> bo
             continue
         tainted += [s is not None for s in part_specs]
         for i, (x, s) in enumerate(zip(jax.tree.leaves(part), part_specs)):
-            whole = k == 1 and sliced[i] and s is not None and s is not _AMBIGUOUS
+            whole = k == 1 and sliced[i] and _known(s)
             shapes.append(_whole_shape(x.shape, s) if whole else getattr(x, "shape", None))
     tainted += [False] * (len(leaves) - len(tainted))
     shapes += [getattr(x, "shape", None) for x in leaves[len(shapes) :]]

@@ -197,20 +197,16 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """The output projection ``[..., embed] -> [..., vocab]`` when embeddings are not
-    tied: `nn.Dense` without bias (the same ``head/kernel`` parameter), with the
-    kernel reachable as ``self.kernel`` for the chunked loss."""
+    """The output projection's kernel ``[embed, vocab]`` when embeddings are not tied:
+    `nn.Dense`'s ``head/kernel`` parameter (no bias), reachable as ``self.kernel``
+    so that the logits can be made whole or in chunks (`project`)."""
 
     features: int
     in_features: int
-    dtype: Any = None
 
     def setup(self):
         init = _normal(0.02, (EMBED, VOCAB))
         self.kernel = self.param("kernel", init, (self.in_features, self.features))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return project(x, self.kernel, self.dtype)
 
 
 def project(x_BxTxE: jax.Array, kernel_ExV: jax.Array, dtype: Any = None) -> jax.Array:
@@ -362,7 +358,7 @@ class Transformer(nn.Module):
         if self.tie_embeddings:
             logits_fn = functools.partial(project, kernel_ExV=embed.embedding.T, dtype=self.dtype)
         else:
-            head = Head(self.vocab_size, self.embed_dim, self.dtype, name="head")
+            head = Head(self.vocab_size, self.embed_dim, name="head")
             logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
         if targets is None:
             return logits_fn(x_BxTxE)

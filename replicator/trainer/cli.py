@@ -30,7 +30,6 @@ import re
 import sys
 import textwrap
 import traceback
-import warnings
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -244,14 +243,7 @@ def _eval(config, workdir: str, console: Console, chief: bool) -> None:
             if chief:
                 console.print(json.dumps(result))
         return
-    from replicator.sharding import ShardingWarning
-
-    with warnings.catch_warnings():
-        # Eval reads the parameters onto whatever devices there are: that a mesh
-        # made for training shards some of them less here (say, 128 over 3 devices)
-        # was said when training, and asks nothing of the user now.
-        warnings.simplefilter("ignore", ShardingWarning)
-        result = trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value)
+    result = trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value)
     if chief:
         console.print(json.dumps(result))
 

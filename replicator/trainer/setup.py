@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -144,11 +145,18 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
-    if sync is None:
-        shardings = _state_shardings(repl, jax.eval_shape(init))
-    else:  # replicated inside each island; parameters and inner state one row per island
-        init, shardings = _island_layout(repl, sync, init)
     abstract = jax.eval_shape(init)
+    if sync is None:
+        with warnings.catch_warnings():
+            if not training:
+                # Eval reads the parameters onto whatever devices there are: that the
+                # training mesh shards some of them less here (say, 128 over 3 devices)
+                # was said when training, and asks nothing of the user now.
+                warnings.simplefilter("ignore", sharding.ShardingWarning)
+            shardings = _state_shardings(repl, abstract)
+    else:  # replicated inside each island; parameters and inner state one row per island
+        init, shardings = _island_layout(repl, sync, init, abstract)
+        abstract = jax.eval_shape(init)
     train_step, eval_step = _make_steps(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
     eval_batch_size = -(-(config.eval_batch_size or config.batch_size) // unit) * unit
@@ -192,16 +200,17 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
         raise ValueError(f"config.diloco: {e}") from e
 
 
-def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable):
-    """DiLoCo's state: ``init`` with parameters and inner optimizer state one row per
-    island (as `Replicator.run` keeps them, so checkpoints restore in that shape), and
-    its shardings: those rows split over the island axis, the rest mirrored."""
+def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstract: Any):
+    """DiLoCo's state: ``init`` (whose shapes are ``abstract``) with parameters and inner
+    optimizer state one row per island (as `Replicator.run` keeps them, so checkpoints
+    restore in that shape), and its shardings: those rows split over the island axis,
+    the rest mirrored."""
     if repl.mesh.shape["tensor"] > 1:
         raise ValueError(
             "config.diloco keeps the parameters replicated: use a mesh without tensor."
         )
     islands = repl.mesh.shape[sync.axis]
-    mirrored = jax.tree.map(lambda _: repl.mirrored_sharding, jax.eval_shape(init))
+    mirrored = jax.tree.map(lambda _: repl.mirrored_sharding, abstract)
     if islands == 1:
         return init, mirrored
     split = NamedSharding(repl.mesh, P(sync.axis))
