@@ -52,7 +52,6 @@ from typing import Any, NamedTuple
 
 import trials
 
-H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, H100 SXM (the H200 has the same)
 LEVER_INFLIGHT = 64
 
 
@@ -490,8 +489,11 @@ def device_facts() -> dict[str, Any]:
     """The worker's device, its peak and JAX's version (the coordinator never starts JAX)."""
     import jax
 
+    from replicator.trainer.peaks import data_sheet_peak
+
     dev = jax.devices()[0]
-    peak = H100_BF16_PEAK if any(k in dev.device_kind for k in ("H100", "H200")) else None
+    chip = data_sheet_peak(dev.device_kind)  # dense bf16; None on CPU: no MFU there
+    peak = None if chip is None else chip[0]
     return {
         "device": dev.device_kind,
         "platform": dev.platform,

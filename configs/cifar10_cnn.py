@@ -30,7 +30,7 @@ _NUM_EPOCHS = 10
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()  # every key with its default, so every key can be overridden
+    c = base_config(mode)  # every key with its default, so every key can be overridden
     c.experiment = "experiments.classify"
     c.model = dict(
         arch="cnn", num_classes=10, conv_features=(32, 64, 64), dense_features=64, padding="VALID"
@@ -39,15 +39,19 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
 
     c.batch_size = 128  # global: 16 per replica x 8 replicas
     c.eval_batch_size = 512
+
     # References, not numbers: --config.batch_size=N keeps 10 epochs and per-epoch evals.
-    steps_per_epoch = _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
+    # Each key its own reference to an epoch of batch_size: setting one never sets another.
+    def steps_per_epoch():
+        return _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
+
     c.num_train_steps = _NUM_EPOCHS * _NUM_TRAIN_EXAMPLES // c.get_ref("batch_size")
     c.learning_rate = 1e-3
     c.seed = 0
 
     c.log_every_steps = 50
-    c.eval_every_steps = steps_per_epoch
-    c.checkpoint_every_steps = steps_per_epoch
+    c.eval_every_steps = steps_per_epoch()
+    c.checkpoint_every_steps = steps_per_epoch()
 
     if mode == "smoke":
         c.batch_size = 16

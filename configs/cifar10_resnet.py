@@ -32,7 +32,7 @@ _NUM_EPOCHS = 30
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()  # every key with its default, so every key can be overridden
+    c = base_config(mode)  # every key with its default, so every key can be overridden
     c.experiment = "experiments.classify"
     c.model = dict(
         arch="resnet", num_classes=10, stage_sizes=(2, 2, 2, 2), num_filters=64, small_inputs=True

@@ -18,7 +18,7 @@ from replicator.trainer.config import base_config
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()  # every key with its default, so every key can be overridden
+    c = base_config(mode)  # every key with its default, so every key can be overridden
     c.experiment = "experiments.classify"
     c.model = dict(
         arch="cnn", num_classes=10, conv_features=(32, 64), dense_features=64, padding="SAME"

@@ -29,7 +29,7 @@ from replicator.trainer.config import base_config
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()
+    c = base_config(mode)
     c.experiment = "experiments.gan"
     c.model = dict(
         noise_dim=32,

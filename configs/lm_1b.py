@@ -30,7 +30,7 @@ from replicator.trainer.config import base_config
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()
+    c = base_config(mode)
     c.experiment = "experiments.lm"
     c.model = dict(
         vocab_size=256,  # bytes

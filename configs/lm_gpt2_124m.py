@@ -22,7 +22,9 @@ byte-frequency model.
 
 Your own corpus: ``--config.dataset='text_files/block_size=1024,files=/data/corpus/**/*.txt'``
 (text files as bytes, or ``.npy`` token ids with ``--config.model.vocab_size``
-set to your tokenizer's, padded to a multiple of 128). Smoke mode for tests:
+set to your tokenizer's, padded to a multiple of 128); a tfds text dataset
+prepared in array_record format: ``--config.dataset='text_tfds/source=lm1b,block_size=1024'``.
+Smoke mode for tests:
 ``--config configs/lm_gpt2_124m.py:smoke`` (a few steps of a tiny model in bf16).
 """
 
@@ -32,7 +34,7 @@ from replicator.trainer.config import base_config
 
 
 def get_config(mode: str = "") -> ml_collections.ConfigDict:
-    c = base_config()
+    c = base_config(mode)
     c.experiment = "experiments.lm"
     c.model = dict(
         vocab_size=256,  # bytes

@@ -38,9 +38,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
-from orbax.checkpoint._src.metadata import array_metadata_store
 
 from replicator.per_replica import PerReplica, is_per_replica, mark_like
+from replicator.runtime import compat
 
 if TYPE_CHECKING:
     from replicator.replicator import Replicator
@@ -103,7 +103,7 @@ class Checkpoints:
         *,
         keep: int | None = 3,
         keep_best: int = 0,
-        best_metric: str = "accuracy",
+        best_metric: str | None = None,
         best_mode: str = "max",
         async_save: bool = True,
         read_only: bool = False,
@@ -112,6 +112,8 @@ class Checkpoints:
             raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}.")
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}.")
+        if keep_best and best_metric is None:
+            raise ValueError("keep_best needs best_metric: the name of the metric that ranks.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.repl = repl
         self.read_only = read_only
@@ -286,7 +288,8 @@ class Checkpoints:
           The restored state, structured like ``like``.
 
         Raises:
-          FileNotFoundError: no checkpoint (or none for ``step``) in the directory.
+          FileNotFoundError: no checkpoint (or none for ``step``) in the directory;
+            or, with ``step=None``, none readable: each was moved aside as above.
           CheckpointMismatchError: the saved state has other paths or shapes than
             ``like``; the message lists each with both shapes.
           CorruptCheckpointError: the checkpoint's files cannot be read.
@@ -393,27 +396,41 @@ class Checkpoints:
                 f"No readable checkpoint in {self.directory}; available steps: none."
             )
         unreadable = []
-        for index in reversed(range(len(available))):
+        for candidate in reversed(available):
             try:
-                result = read(available[index])
+                result = read(candidate)
             except CorruptCheckpointError as e:
-                if strict or index == 0:
+                if strict:
                     raise
-                unreadable.append((available[index], e))
+                unreadable.append((candidate, e))
                 continue
-            self.restored_step = available[index]
+            self.restored_step = candidate
             for bad, error in unreadable:
-                self._set_aside_unreadable(bad, error, instead=available[index])
+                self._set_aside_unreadable(bad, error, instead=candidate)
             return result
-        raise AssertionError("unreachable")
+        if self.read_only:
+            raise CorruptCheckpointError(
+                f"No readable checkpoint in {self.directory}: steps {available} are all "
+                f"unreadable (the newest: {unreadable[0][1]})"
+            )
+        for bad, error in unreadable:  # nothing to fall back on: all of them out of the way
+            self._set_aside_unreadable(bad, error, instead=None)
+        raise FileNotFoundError(
+            f"No readable checkpoint in {self.directory}: steps {available} were unreadable "
+            f"and are now in {self.directory}.corrupt."
+        )
 
-    def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int) -> None:
-        """Warns, in one line, of an unreadable step and moves it out of the way."""
+    def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int | None) -> None:
+        """Warns, in one line, of an unreadable step and moves it out of the way (unless
+        ``read_only``); ``instead`` is the step restored, None if none is readable."""
         if self.read_only:
             log.warning("%s; restored step %d instead.", error, instead)
             return
         moved = self._move_aside(step, "corrupt")
-        log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
+        if instead is None:
+            log.warning("%s; moved it to %s (no checkpoint is readable).", error, moved)
+        else:
+            log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
 
     def _step_path(self, step: int) -> epath.Path:
         return epath.Path(self.directory) / str(step)
@@ -567,8 +584,6 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
         (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
     ]
     if jax.process_count() == 1:
-        array = ocp.type_handlers.ArrayHandler(
-            use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
-        )
+        array = compat.array_handler_without_replica_parallel()
         handlers = [(t, array if t is jax.Array else h) for t, h in handlers]
     return ocp.type_handlers.create_type_handler_registry(*handlers)

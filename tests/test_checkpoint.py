@@ -500,13 +500,21 @@ def test_per_replica_values_round_trip_through_a_checkpoint(tmp_path):
 
 def test_best_n_retention_keeps_latest_and_best(tmp_path):
     accuracies = {1: 0.5, 2: 0.9, 3: 0.6, 4: 0.95, 5: 0.7, 6: 0.4, 7: 0.3}
-    save_steps(tmp_path, [(s, {"accuracy": a}) for s, a in accuracies.items()], keep=2, keep_best=2)
+    save_steps(
+        tmp_path,
+        [(s, {"accuracy": a}) for s, a in accuracies.items()],
+        keep=2,
+        keep_best=2,
+        best_metric="accuracy",
+    )
     assert reader(tmp_path).all_steps() == [2, 4, 6, 7]
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        rp.Checkpoints(tmp_path / "other", rp.Replicator(), keep_best=1)
 
 
 def test_sidecar_metrics_feed_best_n(tmp_path):
-    save_steps(tmp_path, [(1, None), (2, None)], keep=2, keep_best=1)
-    manager = rp.Checkpoints(tmp_path, rp.Replicator(), keep=2, keep_best=1)
+    save_steps(tmp_path, [(1, None), (2, None)], keep=2, keep_best=1, best_metric="accuracy")
+    manager = rp.Checkpoints(tmp_path, rp.Replicator(), keep=2, keep_best=1, best_metric="accuracy")
     manager.write_metrics(1, {"accuracy": 0.99})  # as `eval --follow` does, later
     manager.write_metrics(2, {"accuracy": 0.10})
     for step, accuracy in ((3, 0.2), (4, 0.3)):

@@ -254,6 +254,30 @@ def test_a_garbage_checkpoint_is_skipped_set_aside_and_redone(tmp_path, trained)
     assert json.loads(done.stdout)["step"] == 4 and "unreadable" not in done.stderr
 
 
+def test_when_no_checkpoint_is_readable_train_starts_over(tmp_path, trained):
+    source, _, data_dir = trained
+    workdir = tmp_path / "run"
+    subprocess.run(["cp", "-r", source, str(workdir)], check=True)
+    for step in (2, 4):
+        for path in (workdir / "checkpoints" / str(step)).rglob("*"):
+            if path.is_file():
+                path.write_bytes(os.urandom(max(path.stat().st_size, 16)))
+    done = run_cli("eval", "--workdir", str(workdir))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (error,) = [x for x in lines(done.stderr) if x.startswith("error: ")]
+    assert "No readable checkpoint" in error and "steps [2, 4] are all unreadable" in error
+    done = run_cli(
+        "train", "--workdir", str(workdir), *SMOKE, data_dir, "--config.model.dense_features=32"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [x for x in lines(done.stderr) if "unreadable" in x]
+    assert len(warnings) == 2 and all("no checkpoint is readable" in x for x in warnings)
+    assert "training from step 0" in done.stderr
+    assert sorted(p.name for p in (workdir / "checkpoints.corrupt").iterdir()) == ["2", "4"]
+    steps = [r["step"] for r in read_records(workdir) if "split" not in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 4
+
+
 # ---- A quiet console
 
 
@@ -311,3 +335,26 @@ def _drain(fd, output):
         if not chunk:
             return
         output.append(chunk)
+
+
+def test_more_mistakes_are_one_line(tmp_path, trained):
+    workdir = str(tmp_path / "run")
+    done = run_cli("train", "--config", "configs/digits_cnn.py:smok", "--workdir", workdir)
+    assert_one_line_error(done, "unknown config mode 'smok'", "modes: smoke")
+    done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.diloco.inner_steps=5")
+    assert_one_line_error(done, "config.diloco is None", """--config.diloco="{'inner_steps'""")
+    done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.mesh=dict(data=2)")
+    assert_one_line_error(done, "write a Python literal")
+    done = run_cli("train", "--config", "configs/lm_tiny.py:smoke", "--workdir", workdir,
+                   "--config.model.max_len=64")  # fmt: skip
+    assert_one_line_error(done, "windows hold 128 tokens, above config.model.max_len=64")
+    assert not os.path.exists(workdir)
+    open(workdir, "w").close()  # a file where the workdir should be
+    assert_one_line_error(run_cli("train", *SMOKE, "--workdir", workdir), "is a file")
+    # A damaged config.json in a run's workdir: one line from eval and from train.
+    copy = str(tmp_path / "copy")
+    shutil.copytree(trained[0], copy)
+    with open(os.path.join(copy, "config.json"), "w") as f:
+        f.write('{"exper')
+    for args in (["eval", "--workdir", copy], ["train", *SMOKE, "--workdir", copy]):
+        assert_one_line_error(run_cli(*args), "config.json cannot be read as a run's config")

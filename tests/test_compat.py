@@ -38,3 +38,10 @@ def test_leading_sharding_of_typed_keys_matches_their_sharding():
     mirrored = repl.replicate(jax.random.key(1))
     assert compat.leading_sharding(mirrored).is_fully_replicated
     assert compat.leading_sharding(3.0) is None
+
+
+def test_orbax_array_handler_without_replica_parallel():
+    import orbax.checkpoint as ocp
+
+    handler = compat.array_handler_without_replica_parallel()
+    assert isinstance(handler, ocp.type_handlers.ArrayHandler)

@@ -5,16 +5,20 @@ must be downloaded run on ``tfds.testing.mock_data``, which fakes their
 examples with the right shapes and dtypes.
 """
 
+import ast
 import importlib.util
 import json
 import math
 import pathlib
 import re
+import sys
 import time
 
 import ml_collections
 import pytest
 import tensorflow_datasets as tfds
+from absl import flags
+from ml_collections import config_flags
 
 from replicator import trainer
 from replicator.trainer import config as config_lib
@@ -100,3 +104,89 @@ def test_config_of_a_dataset_that_is_not_prepared_fails_fast(path, tmp_path):
     assert time.monotonic() - start < 10, "must not try to download"
     assert f"tfds build {config.dataset} " in str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+# One command-line value per key, each unlike every config's own, valid for validate().
+OVERRIDES = {
+    "experiment": "experiments.classify",
+    "model": "{'anything': 1}",
+    "dataset": "digits/other",
+    "data_dir": "/tmp/tfds",
+    "train_split": "train[:50%]",
+    "eval_split": "train[50%:]",
+    "batch_size": "48",
+    "eval_batch_size": "96",
+    "num_train_steps": "7",
+    "learning_rate": "0.125",
+    "optimizer": "sgd",
+    "seed": "11",
+    "grad_accum_steps": "3",
+    "mesh": "{'data': 2, 'tensor': 4}",
+    "dcn_mesh": "{'data': 2}",
+    "rules": "(('embed', 'fsdp'), ('mlp', 'tensor'))",
+    "precision": "fp16",
+    "matmul_precision": "highest",
+    "nonfinite": "skip",
+    "step_path": "compile",
+    "diloco": "{'inner_steps': 5}",
+    "log_every_steps": "3",
+    "eval_every_steps": "5",
+    "checkpoint_every_steps": "6",
+    "profile_steps": "2,3",
+    "keep_checkpoints": "4",
+    "keep_best_checkpoints": "2",
+    "best_metric": "loss",
+    "best_mode": "min",
+}
+
+
+@pytest.mark.parametrize("path", CONFIG_PATHS, ids=lambda path: path.stem)
+def test_every_key_can_be_overridden_from_the_command_line(path, monkeypatch):
+    assert set(OVERRIDES) == set(config_lib.SCHEMA), "give a new key a value here"
+    argv = [f"--config.{key}={value}" for key, value in OVERRIDES.items()]
+    saved = json.loads(config_lib.to_json(config_lib.validate(parse(path, argv, monkeypatch))))
+    for key, value in OVERRIDES.items():
+        expected = value
+        if value[0] in "({":
+            expected = json.loads(json.dumps(ast.literal_eval(value)))
+        elif key != "profile_steps" and re.fullmatch(r"[\d.]+", value):
+            expected = float(value) if "." in value else int(value)
+        assert saved[key] == expected, key
+    # A sub-key of a key the config file sets is overridden alone.
+    assert parse(path, ["--config.mesh.data=3"], monkeypatch).mesh.data == 3
+
+
+def parse(path: pathlib.Path, argv: list[str], monkeypatch) -> ml_collections.ConfigDict:
+    """The config as ``python -m replicator train --config PATH:smoke ARGV`` reads it."""
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values)
+    argv = ["prog", f"--config={path}:smoke", *argv]
+    monkeypatch.setattr(sys, "argv", argv)  # ml_collections reads the overrides from there
+    values(argv)
+    return values.config
+
+
+def test_lm_tiny_learns_within_60_steps(tmp_path, digits_data_dir):
+    config = load_config(CONFIG_DIR / "lm_tiny.py")
+    config.update(num_train_steps=60, eval_every_steps=60, checkpoint_every_steps=60,
+                  data_dir=digits_data_dir)  # fmt: skip
+    result = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+    records = read_records(tmp_path)
+    first_loss = next(r["loss"] for r in records if "split" not in r)
+    assert result["step"] == 60 and result["loss"] < first_loss
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-6)
+    (summary,) = [r for r in records if r.get("split") == "summary"]
+    assert summary["tokens_per_sec"] > 0 and summary["state_bytes_per_device"] > 0
+
+
+def test_gan_digits_logs_two_finite_losses(tmp_path, digits_data_dir):
+    config = load_config(CONFIG_DIR / "gan_digits.py")
+    config.update(num_train_steps=20, log_every_steps=5, eval_every_steps=20,
+                  checkpoint_every_steps=20, data_dir=digits_data_dir)  # fmt: skip
+    trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+    records = read_records(tmp_path)
+    train = [r for r in records if "split" not in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert all(math.isfinite(r["g_loss"]) and math.isfinite(r["d_loss"]) for r in train)
+    assert records[-1]["split"] == "summary"
+    assert (tmp_path / "samples" / "step_20.png").exists()

@@ -19,7 +19,9 @@ import tensorflow_datasets as tfds
 
 import replicator as rp
 from experiments.datasets import text
+from experiments.datasets.base import LocalBuilder
 from experiments.lm import Transformer, count_params, make_experiment, make_preprocess, summarize
+from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -113,6 +115,43 @@ def test_text_files_reads_your_own_text_and_token_files(tmp_path):
     assert tfds.builder(name, data_dir=data_dir).builder_config.name != before
 
 
+class TinyTextCorpus(LocalBuilder):
+    """A text dataset as tfds ships them (lm1b, wiki40b: a string feature per example)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    TEXTS = {"train": ["héllo world", "a second line", "x" * 20], "validation": ["held out"]}
+
+    def _info(self):
+        features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+        return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(texts) for split, texts in self.TEXTS.items()}
+
+    def _generate_examples(self, texts):
+        for i, line in enumerate(texts):
+            yield i, {"text": line}
+
+
+def test_text_tfds_windows_a_tfds_text_dataset(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    tfds.builder("tiny_text_corpus", data_dir=data_dir).download_and_prepare(
+        file_format="array_record"
+    )
+    sources = build("text_tfds/source=tiny_text_corpus,block_size=4,test_split=validation",
+                    data_dir)  # fmt: skip
+    for split, key in (("train", "train"), ("test", "validation")):
+        source = tfds.data_source("tiny_text_corpus", split=key, data_dir=data_dir)
+        documents = [  # in the source's order, each followed by the byte 0
+            np.frombuffer(source[i]["text"] + b"\0", np.uint8).astype(np.int32)
+            for i in range(len(source))
+        ]
+        expected = [w.tolist() for w in text.cut_windows(documents, 4)]
+        got = sources[split]
+        assert sorted(got[i]["tokens"].tolist() for i in range(len(got))) == sorted(expected)
+    assert len(sources["train"]) == (len("héllo world".encode()) + 13 + 20 + 3 - 1) // 4
+
+
 def test_one_big_file_holds_out_its_tail(tmp_path):
     path = tmp_path / "book.txt"
     path.write_bytes(bytes(range(32, 127)) * 10)
@@ -195,14 +234,16 @@ def optax_nats(logits, targets):
 
 
 def test_too_long_a_sequence_is_a_one_line_error():
-    message = "Sequence length 129 is above the model's max_len 128."
-    with pytest.raises(ValueError, match=message):
+    # The trainer's input: a config mistake (the CLI prints it in one line, exit 2).
+    with pytest.raises(ConfigError, match="windows hold 129 tokens, above config.model.max_len"):
         make_preprocess(128)({"tokens": np.zeros((2, 130), np.int32)})
     model = Transformer(**TINY)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match="Sequence length 129 is above the model's max_len 128."):
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 129), jnp.int32))
-    with pytest.raises(ValueError, match="'num_layer'"):
+    with pytest.raises(ConfigError, match="'num_layer'"):
         make_experiment(settings(rp.Replicator(), model={**TINY, "num_layer": 2}))
+    with pytest.raises(ConfigError, match="does not divide into num_heads=3"):
+        make_experiment(settings(rp.Replicator(), model={**TINY, "num_heads": 3}))
 
 
 # ----------------------------------------------------------------- experiment

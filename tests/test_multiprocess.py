@@ -86,6 +86,8 @@ def test_two_processes_train_like_one(tmp_path, digits_data_dir, one_by_eight):
     assert done.returncode == 0, done.stdout[-3000:]
     assert "[0] Final test metrics after 30 steps" in done.stdout
     assert "[1] Final test metrics" not in done.stdout  # only process 0 reports
+    assert "Gloo" not in done.stdout  # the C++ libraries' notices go to the logs
+    assert "Gloo" in (tmp_path / "2x4" / "log.txt").read_text()
     ours, reference = read_records(workdir), read_records(one_by_eight)
     train_losses = [(r["step"], r["loss"]) for r in ours if "split" not in r]
     expected = [(r["step"], r["loss"]) for r in reference if "split" not in r]

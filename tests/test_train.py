@@ -99,6 +99,7 @@ def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
         ({"learning_rat": 0.1}, "unknown key 'learning_rat' \\(did you mean 'learning_rate'"),
         ({"batch_size": "64"}, "'batch_size'='64' has type str"),
         ({"batch_size": 60}, "batch_size=60 does not split evenly over 8 replicas"),
+        ({"grad_accum_steps": 3}, "grad_accum_steps=3 does not divide the per-replica batch"),
         ({"step_path": "pmap"}, "'step_path'='pmap' is not one of"),
         ({"mesh": {"data": 3}}, "3 devices but 8"),
         ({"model": {"num_clases": 10}}, "config.model does not fit"),
@@ -118,6 +119,31 @@ def test_bad_config_fails_before_the_workdir_is_touched(
     with pytest.raises(ValueError, match=match):
         trainer.train_and_evaluate(config, str(workdir), quiet=True)
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ("eval_step=None", "Experiment has no eval_step"),
+        ("metric_names=()", "has metric_names=\\(\\); it needs a tuple"),
+        ("metric_names=('accuracy', 'f1')", r"summarize reported .* without \['f1'\]"),
+    ],
+)
+def test_an_experiment_that_breaks_the_protocol_is_named(
+    tmp_path, monkeypatch, digits_data_dir, change, match
+):
+    name = f"broken_experiment_{len(change)}"  # a module per case: imports are cached
+    (tmp_path / f"{name}.py").write_text(
+        "import dataclasses\n"
+        "from experiments.classify import make_experiment as classify\n"
+        "def make_experiment(settings):\n"
+        f"    return dataclasses.replace(classify(settings), {change})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(data_dir=digits_data_dir, experiment=name)
+    config.update(num_train_steps=2, eval_every_steps=2)
+    with pytest.raises(trainer.ConfigError, match=match):
+        trainer.train_and_evaluate(config, str(tmp_path / "run"), quiet=True)
 
 
 def test_missing_key_is_named(digits_data_dir):

@@ -31,7 +31,7 @@ from flax import nnx
 import replicator as rp
 from experiments.classify.nnx_model import CNN
 from experiments.classify.task import eval_sums, preprocess, summarize
-from replicator.trainer import Experiment, Settings
+from replicator.trainer import ConfigError, Experiment, Settings
 
 
 def make_experiment(settings: Settings) -> Experiment:
@@ -57,7 +57,7 @@ def classifier(
         (`experiments.classify.nnx_model.CNN`).
     """
     if arch != "nnx_cnn":
-        raise ValueError(f"config.model.arch={arch!r}: the NNX experiment has only 'nnx_cnn'.")
+        raise ConfigError(f"config.model.arch={arch!r}: the NNX experiment has only 'nnx_cnn'.")
     repl = settings.repl
     tx = settings.make_optimizer()
 

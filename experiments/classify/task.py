@@ -21,7 +21,7 @@ import optax
 import replicator as rp
 from experiments.classify.model import CNN
 from experiments.classify.resnet import ResNet
-from replicator.trainer import Experiment, Settings
+from replicator.trainer import ConfigError, Experiment, Settings
 
 
 def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -72,7 +72,7 @@ def classifier(
     elif arch == "resnet":
         module = ResNet(tuple(stage_sizes), num_classes, num_filters, repl.axis_name, small_inputs)
     else:
-        raise ValueError(f"config.model.arch={arch!r}: choose 'cnn' or 'resnet'.")
+        raise ConfigError(f"config.model.arch={arch!r}: choose 'cnn' or 'resnet'.")
     model = repl.apply_policy(module)
     with_state = arch == "resnet"
     tx = settings.make_optimizer()

@@ -1,6 +1,6 @@
 """Byte-level text as tfds datasets of fixed-length token windows, built offline.
 
-Two builders cut documents into the examples a language model trains on:
+Three builders cut documents into the examples a language model trains on:
 
 * ``python_stdlib``: the sources of the Python standard library that ship with
   the interpreter running the build (``sysconfig.get_paths()["stdlib"]``; real
@@ -18,6 +18,13 @@ Two builders cut documents into the examples a language model trains on:
   The prepared copy lives under ``DATA_DIR/text_files/block1024_<digest>``,
   the digest naming the glob and the files' paths and sizes, so adding files
   builds a new copy instead of reading a stale one.
+* ``text_tfds``: a tfds text dataset (``lm1b``, ``wiki40b/en``, ...): each
+  example's text feature is a document, its bytes windowed as above. The
+  source must be prepared in the same data_dir in array_record format
+  (``tfds build lm1b --file_format=array_record`` on a machine with network);
+  nothing is downloaded here::
+
+      text_tfds/source=lm1b,block_size=1024          # feature=text, train/test splits
 
 Every example is ``{"tokens": int32[block_size + 1]}``: a window of the split's
 documents concatenated (text documents each followed by the byte 0, which text
@@ -47,6 +54,7 @@ import glob
 import hashlib
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
@@ -78,11 +86,13 @@ class WindowConfig(tfds.core.BuilderConfig):
       block_size: a model's context; examples hold ``block_size + 1`` tokens.
       subset: ``python_stdlib`` only: ``"modules"`` (top-level modules) or ``"all"``.
       files: ``text_files`` only: the glob of documents.
+      source: ``text_tfds`` only: the tfds dataset the text comes from.
     """
 
     block_size: int = 1024
     subset: str = "all"
     files: str = ""
+    source: str = ""
 
 
 def stdlib_documents(subset: str = "all") -> list[Document]:
@@ -290,6 +300,77 @@ class TextFiles(LocalBuilder):
         del dl_manager  # The files are local.
         splits = split_documents(self._documents)
         return {name: self._generate_examples(tokens) for name, tokens in splits.items()}
+
+    def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
+        return _generate_windows(tokens, self.builder_config.block_size)
+
+
+class TextTfds(LocalBuilder):
+    """A tfds text dataset as byte windows: ``text_tfds/source=NAME,block_size=N``.
+
+    Each example's ``feature`` (a string) is one document: its UTF-8 bytes, then
+    the byte 0. The source's own train and test splits are kept.
+
+    Args:
+      source: the tfds dataset, with its config (``wiki40b/en``), prepared in
+        array_record format under the same ``data_dir``.
+      feature: the source's text feature.
+      block_size: tokens per window, plus one.
+      train_split: the source's split that becomes ``train``.
+      test_split: the source's split that becomes ``test``.
+      **kwargs: `tfds.core.DatasetBuilder`'s (``data_dir``, ``file_format``...).
+    """
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    BUILDS_OFFLINE = True  # reads a prepared dataset; downloads nothing
+
+    def __init__(
+        self,
+        *,
+        source: str = "",
+        feature: str = "text",
+        block_size: int = 1024,
+        train_split: str = "train",
+        test_split: str = "test",
+        **kwargs,
+    ):
+        if not source or kwargs.get("config") is not None:
+            raise ValueError(
+                "Name the text_tfds dataset by its source, e.g. "
+                "'text_tfds/source=lm1b,block_size=1024'."
+            )
+        self._feature = feature
+        self._splits = {"train": train_split, "test": test_split}
+        self._source_dir = kwargs.get("data_dir")
+        name = f"{source}_{feature}_{train_split}_{test_split}".replace("/", "_")
+        config = WindowConfig(
+            name=f"block{block_size}_{re.sub(r'[^A-Za-z0-9_]', '_', name)}",
+            block_size=block_size,
+            source=source,
+            description=f"the {feature!r} feature of tfds {source!r}",
+        )
+        super().__init__(config=config, **kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return _window_info(self, f"Byte windows of {self.builder_config.description}.")
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
+        del dl_manager  # the source is prepared locally
+        return {
+            split: self._generate_examples(self._documents(source_split))
+            for split, source_split in self._splits.items()
+        }
+
+    def _documents(self, split: str) -> Iterator[np.ndarray]:
+        examples = tfds.data_source(
+            self.builder_config.source, split=split, data_dir=self._source_dir, download=False
+        )
+        for index in range(len(examples)):
+            value = examples[index][self._feature]
+            data = value.encode() if isinstance(value, str) else bytes(value)
+            text = np.frombuffer(data, np.uint8)
+            yield np.append(text, np.uint8(DOCUMENT_SEPARATOR)).astype(np.int32)
 
     def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
         return _generate_windows(tokens, self.builder_config.block_size)

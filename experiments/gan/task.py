@@ -36,7 +36,7 @@ from flax import struct
 import replicator as rp
 from experiments.gan.model import SPECTRAL, Discriminator, Generator
 from experiments.gan.score import fit_digits_classifier, score_sums, summarize_scores, to_unit_range
-from replicator.trainer.experiment import Experiment, Settings
+from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("fid", "classifier_score")
 NOISE_MODES = ("replica", "example")
@@ -70,13 +70,13 @@ class GANConfig:
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(model) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"config.model has keys that experiments.gan does not take: {unknown}; "
                 f"it takes {sorted(known)}."
             )
         config = cls(**model)
         if config.noise not in NOISE_MODES:
-            raise ValueError(f"config.model.noise={config.noise!r} is not one of {NOISE_MODES}.")
+            raise ConfigError(f"config.model.noise={config.noise!r} is not one of {NOISE_MODES}.")
         return config
 
 

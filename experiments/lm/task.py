@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 import replicator as rp
-from experiments.lm.model import Transformer, check_length
-from replicator.trainer.experiment import Experiment, Settings
+from experiments.lm.model import Transformer
+from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("loss", "perplexity")
 # Keys of the config's ``model`` dict that shape the run rather than the network.
@@ -31,7 +31,8 @@ _TASK_KEYS = ("warmup_steps",)
 def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
     """Returns ``preprocess(batch)``: ``tokens [B, L + 1]`` -> ``inputs``, ``targets`` ``[B, L]``.
 
-    Raises (when called) the model's one-line error if ``L > max_len``.
+    Raises (when called) a `ConfigError` if ``L > max_len``: the dataset's windows
+    are longer than the model's context.
 
     >>> preprocess = make_preprocess(max_len=3)
     >>> out = preprocess({"tokens": np.array([[1, 2, 3, 4]])})
@@ -41,7 +42,12 @@ def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.
 
     def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         tokens = np.asarray(batch["tokens"], np.int32)
-        check_length(tokens.shape[-1] - 1, max_len)
+        if tokens.shape[-1] - 1 > max_len:
+            raise ConfigError(
+                f"the dataset's windows hold {tokens.shape[-1] - 1} tokens, above "
+                f"config.model.max_len={max_len}; raise max_len or use shorter windows "
+                "(the dataset's block_size)."
+            )
         return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
 
     return preprocess
@@ -94,13 +100,15 @@ def make_model(model_kwargs: Mapping[str, Any]) -> Transformer:
     kwargs = {k: v for k, v in model_kwargs.items() if k not in _TASK_KEYS}
     try:
         return Transformer(**kwargs)
+    except ValueError as e:  # the model's own checks of its sizes
+        raise ConfigError(f"config.model: {e}") from None
     except TypeError as e:
         known = sorted(
             f.name
             for f in Transformer.__dataclass_fields__.values()
             if f.name not in ("parent", "name")
         )
-        raise ValueError(
+        raise ConfigError(
             f"config.model has a key the LM does not take ({e}); known: {[*known, *_TASK_KEYS]}."
         ) from None
 

@@ -1,9 +1,9 @@
-"""The one place replicator reaches into JAX's private modules.
+"""The one place replicator reaches into JAX's (and Orbax's) private modules.
 
-Each function wraps a JAX internal that has no public equivalent (yet); a JAX
+Each function wraps an internal that has no public equivalent (yet); an
 upgrade that changes one breaks it here, and tests/test_compat.py fails loudly
 naming it, instead of a run failing somewhere deep inside. Checked on JAX
-0.10.2 (Python 3.11) and 0.11.2 (Python 3.12).
+0.10.2 (Python 3.11) and 0.11.2 (Python 3.12), Orbax 0.12.
 """
 
 from __future__ import annotations
@@ -101,3 +101,15 @@ def all_gather_invariant(x: Any, axes: tuple[str, ...], dim: int) -> Any:
         from jax._src.lax import parallel
 
         return parallel.all_gather_invariant(x, axes, axis=dim, tiled=True)
+
+
+def array_handler_without_replica_parallel() -> Any:
+    """Orbax's handler of ``jax.Array`` leaves with its replica-parallel slicing off
+    (costly in one process), keeping the array metadata store of the default
+    handler; Orbax's v0 API exposes the store's type only in a private module."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    return ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+    )

@@ -327,7 +327,9 @@ def main(argv: Sequence[str]) -> int:
         )
 
     local = add_parser("local", "several processes on this machine (127.0.0.1)")
-    local.add_argument("--processes", type=int, required=True)
+    local.add_argument(
+        "--processes", type=int, required=True, help="processes to start on this machine"
+    )
     local.add_argument(
         "--devices-per-process", type=int, default=1, help="fake CPU devices in each process"
     )
@@ -343,19 +345,23 @@ def main(argv: Sequence[str]) -> int:
         help="a process (not 0) killed by a signal does not stop the others (DiLoCo islands)",
     )
     tpu = add_parser("tpu", "every worker of a Cloud TPU VM pod")
-    tpu.add_argument("--tpu", required=True)
-    tpu.add_argument("--zone", required=True)
-    tpu.add_argument("--project")
-    tpu.add_argument("--dry-run", action="store_true")
+    tpu.add_argument("--tpu", required=True, help="the TPU VM's name")
+    tpu.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
+    tpu.add_argument("--project", help="its Google Cloud project (default: gcloud's)")
+    tpu.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     slurm = add_parser("slurm", "an sbatch job")
-    slurm.add_argument("--nodes", type=int, required=True)
-    slurm.add_argument("--gpus-per-node", type=int, required=True)
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes of the job")
+    slurm.add_argument(
+        "--gpus-per-node", type=int, required=True, help="GPUs of each node the job uses"
+    )
     slurm.add_argument(
         "--process-per-node",
         action="store_true",
         help="one process per node instead of one per GPU",
     )
-    slurm.add_argument("--dry-run", action="store_true")
+    slurm.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script, submit nothing"
+    )
     args = parser.parse_args(options)
     if not command:
         parser.error(

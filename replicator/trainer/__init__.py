@@ -6,6 +6,7 @@ Replicator, checkpoints and writers. Nothing in ``replicator/`` imports
 ``experiments/``: the config's dotted path is the only link.
 """
 
+from replicator.trainer.config import ConfigError as ConfigError
 from replicator.trainer.driver import train_and_evaluate as train_and_evaluate
 from replicator.trainer.evaluator import evaluate as evaluate
 from replicator.trainer.evaluator import follow as follow

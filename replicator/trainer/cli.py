@@ -138,7 +138,9 @@ def run(argv: Sequence[str] | None = None) -> None:
             print(_command_help(command))
             sys.exit(0)
         _check_config_file(argv)
-    except UsageError as e:
+    except (UsageError, ValueError) as e:  # ValueError: the run's config.json (ConfigError)
+        if not _is_user_error(e):
+            raise
         _exit_with(e, debug=_debug_requested(argv))
     sys.argv = argv  # ml_collections reads the config overrides from sys.argv
     app.run(main_or_exit, argv=argv, flags_parser=_parse_flags)
@@ -173,6 +175,8 @@ def main_or_exit(argv: list[str]) -> None:
         one_line = user_error and not _debug_requested(sys.argv)
         console.report(e, summary=f"error: {_one_line(str(e))}" if one_line else None)
         code = USAGE_ERROR if user_error else 1
+        if user_error:
+            console.discard_new_workdir()
     if _process_count() > 1:
         os._exit(code)
     sys.exit(code)
@@ -204,6 +208,8 @@ def main(argv: list[str], console: Console) -> None:
     from replicator.trainer import config as config_lib
 
     workdir = _WORKDIR.value
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UsageError(f"--workdir {workdir} is a file, not a directory")
     config = _config_for(command, workdir)
     validated = config_lib.validate(config)  # every mistake in it, before anything is written
     if command == "train":
@@ -339,10 +345,9 @@ def _check_config_file(argv: list[str]) -> None:
 
 def _check_workdir(config, workdir: str) -> None:
     """Refuses a workdir whose run trained another experiment or model (unless --force)."""
-    from replicator.trainer.config import config_differences
-    from replicator.trainer.driver import saved_config
+    from replicator.trainer.config import config_differences, read_saved
 
-    saved = saved_config(workdir)
+    saved = read_saved(workdir)
     if saved is None or _FORCE.value:
         return
     current = config.to_dict()
@@ -478,12 +483,14 @@ def _clip(text: str, width: int = 32) -> str:
 
 def _is_user_error(error: BaseException) -> bool:
     """A mistake in the input, not a bug: our own usage errors, the flag parser's,
-    the checkpoint errors, and the ``ValueError``/``FileNotFoundError`` that
-    replicator's own code raises when it checks what it was given (a ValueError
-    from deeper down, from JAX or an experiment, is a bug to debug)."""
+    config errors (`ConfigError`, which experiments raise for their own settings
+    too), the checkpoint errors, and the ``ValueError``/``FileNotFoundError`` that
+    replicator's own code raises when it checks what it was given (any other
+    ValueError from deeper down, from JAX or an experiment, is a bug to debug)."""
     from replicator.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+    from replicator.trainer.config import ConfigError
 
-    input_errors = (UsageError, app.UsageError, flags.Error)
+    input_errors = (UsageError, app.UsageError, flags.Error, ConfigError)
     if isinstance(error, (*input_errors, CheckpointMismatchError, CorruptCheckpointError)):
         return True
     if isinstance(error, (ValueError, FileNotFoundError)):
@@ -516,6 +523,22 @@ def _flag_error(error: BaseException) -> UsageError:
         return UsageError(f"unknown config key {key!r} (did you mean {close!r}?)")
     if isinstance(error, (AttributeError, KeyError)):
         return UsageError(f"unknown config key: {_one_line(text)}")
+    unset = re.search(
+        r'Override ([\w.]+) can not be applied because field "([\w.]+)" is None', text
+    )
+    if unset:
+        key, parent = unset.groups()
+        sub = key[len(parent) + 1 :]
+        return UsageError(
+            f"config.{parent} is None in this config, so config.{key} cannot be set alone; "
+            f"""set it whole, e.g. --config.{parent}="{{'{sub}': VALUE}}\""""
+        )
+    literal = re.search(r"Failed to parse '(.*)' as a ConfigDict", text)
+    if literal:
+        return UsageError(
+            f"cannot read {literal.group(1)!r} as a dict: write a Python literal, e.g. "
+            """--config.mesh="{'data': 4}", or set one key, e.g. --config.mesh.data=4"""
+        )
     return UsageError(_one_line(text))
 
 

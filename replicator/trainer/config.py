@@ -23,6 +23,12 @@ from ml_collections.config_dict import placeholder
 
 _REQUIRED = object()
 
+
+class ConfigError(ValueError):
+    """A mistake in a config (or in a run's saved one), found by the trainer or by an
+    experiment checking its settings: ``python -m replicator`` reports it in one line."""
+
+
 # key -> (allowed types, default or _REQUIRED, meaning). None in the types allows None.
 SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     # What to train.
@@ -45,13 +51,17 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "seed": ((int,), 0, "seed of initialisation, data order and randomness"),
     "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
     # Where and how precisely.
-    "mesh": ((dict,), {"data": -1}, "mesh axis sizes, e.g. dict(data=-1) or dict(fsdp=8)"),
+    "mesh": ((dict,), {"data": -1}, "mesh axis sizes, e.g. {'data': -1} or {'fsdp': 8}"),
     "dcn_mesh": (
         (dict, None),
         None,
-        "axis sizes across TPU slices (or hosts), e.g. dict(data=2); mesh is then per slice",
+        "axis sizes across TPU slices (or hosts), e.g. {'data': 2}; mesh is then per slice",
     ),
-    "rules": ((tuple, list, None), None, "parameter sharding rules (None: FSDP + Megatron)"),
+    "rules": (
+        (tuple, list, None),
+        None,
+        "parameter sharding rules, e.g. (('embed', 'fsdp'),) (None: FSDP + Megatron)",
+    ),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
     "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),
@@ -59,7 +69,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "diloco": (
         (dict, None),
         None,
-        "DiLoCo islands, e.g. dict(inner_steps=50, axis='data'): rp.DiLoCo's arguments, "
+        "DiLoCo islands, e.g. {'inner_steps': 50, 'axis': 'data'}: rp.DiLoCo's arguments, "
         "outer_learning_rate/outer_momentum for its Nesterov SGD (None: synchronous)",
     ),
     # Periodic work.
@@ -102,19 +112,29 @@ CHOICES = {
 }
 
 
-def base_config() -> ml_collections.ConfigDict:
+def base_config(mode: str = "", modes: tuple[str, ...] = ("smoke",)) -> ml_collections.ConfigDict:
     """Every optional key with its default; a config file sets the required ones.
+
+    Args:
+      mode: the ``FILE:MODE`` the config was asked for ("" when none).
+      modes: the modes the config file knows; any other is an error, so a
+        misspelt ``:smok`` never trains the full run by mistake.
 
     >>> c = base_config()
     >>> c.optimizer, c.precision, c.keep_checkpoints
     ('adam', None, 3)
     """
+    if mode and mode not in modes:
+        raise ValueError(f"unknown config mode {mode!r}; this config's modes: {', '.join(modes)}")
     c = ml_collections.ConfigDict()
     for key, (types, default, _) in SCHEMA.items():
         if default is _REQUIRED:
             continue
-        if default is None and dict in types:  # a config sets a ConfigDict: --config.k.sub=v
-            setattr(c, key, None)
+        if default is None and (dict in types or tuple in types):
+            # None until set, by a config file (a dict or ConfigDict, whose keys
+            # --config.k.sub=v then overrides) or on the command line as a Python
+            # literal: --config.k="{'sub': 1}".
+            setattr(c, key, placeholder(object))
         elif default is None:  # None, yet overridable with a value of the key's type
             setattr(c, key, placeholder(next(t for t in types if t is not None)))
         else:
@@ -176,7 +196,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       A copy with defaults filled in.
 
     Raises:
-      ValueError: naming every unknown, missing or mistyped key (with the closest
+      ConfigError: naming every unknown, missing or mistyped key (with the closest
         known key for a likely typo) and every out-of-range value.
     """
     values = config.to_dict()
@@ -198,7 +218,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not problems:
         problems += _range_problems(values)
     if problems:
-        raise ValueError("Invalid config:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
     return ml_collections.ConfigDict(values)
 
 
@@ -243,6 +263,24 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
     if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:
         problems.append(f"'experiment'={values['experiment']!r} cannot be imported")
     return problems
+
+
+def read_saved(workdir: str) -> dict | None:
+    """The config a run in ``workdir`` saved (``config.json``), or None if there is none."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not text at all
+        raise ConfigError(
+            f"{path} cannot be read as a run's config ({type(e).__name__}: {e}); restore it "
+            "from a copy, or move it aside"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} holds a {type(saved).__name__}, not a run's config")
+    return saved
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

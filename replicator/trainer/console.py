@@ -22,10 +22,11 @@ from absl import logging as absl_logging
 class Console:
     """Routes output for one command: replicator's to the terminal, the rest to a log.
 
-    The process's stderr (file descriptor 2, so C++ logs too) and ``sys.stdout``
-    are redirected into a log file: a temporary one until `log_to` names the
-    workdir's. With ``verbose`` nothing is redirected: the libraries print as
-    they would.
+    The process's stdout and stderr (file descriptors 1 and 2, so what C++ code
+    prints too, e.g. gloo's connection notices) are redirected into a log file: a
+    temporary one until `log_to` names the workdir's; results and the progress
+    bar go to the terminal's stdout kept aside. With ``verbose`` nothing is
+    redirected: the libraries print as they would.
 
     Args:
       verbose: leave the libraries' output on the terminal.
@@ -34,6 +35,7 @@ class Console:
     def __init__(self, verbose: bool):
         self.out, self.err = sys.stdout, sys.stderr
         self._log = None
+        self._created: str | None = None  # a workdir that log_to made
         handler = logging.StreamHandler(self.err)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger = logging.getLogger("replicator")
@@ -45,10 +47,11 @@ class Console:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        self.out = os.fdopen(os.dup(1), "w", buffering=1, errors="replace")
         self.err = os.fdopen(os.dup(2), "w", buffering=1, errors="replace")
         handler.setStream(self.err)
         self._log = tempfile.TemporaryFile("w+", buffering=1, errors="replace")
-        os.dup2(self._log.fileno(), 2)  # stderr, C++ included, now writes to the log
+        self._redirect()
         sys.stdout = _LogStream(self, terminal=self.out)
         to_log = logging.StreamHandler(_LogStream(self, terminal=None))
         to_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -71,7 +74,9 @@ class Console:
             return
         name = "log.txt" if process_index == 0 else f"log.process_{process_index}.txt"
         try:
-            os.makedirs(workdir, exist_ok=True)
+            if not os.path.isdir(workdir):
+                os.makedirs(workdir)
+                self._created = workdir
             log = open(os.path.join(workdir, name), "a", buffering=1, errors="replace")
         except OSError as e:
             logging.getLogger("replicator").warning("Cannot write a log in %s: %s", workdir, e)
@@ -81,9 +86,31 @@ class Console:
         self._log.seek(0)
         log.write(self._log.read())
         log.flush()
-        os.dup2(log.fileno(), 2)
         self._log.close()
         self._log = log
+        self._redirect()
+
+    def discard_new_workdir(self) -> None:
+        """Removes the workdir `log_to` made, if it holds nothing but logs: a command
+        refused for a mistake in its input leaves nothing behind."""
+        if self._created is None or self._log is None:
+            return
+        try:
+            names = os.listdir(self._created)
+            if all(name.startswith("log") and name.endswith(".txt") for name in names):
+                os.dup2(self.err.fileno(), 2)  # the log is going: C++ output to the terminal
+                os.dup2(self.out.fileno(), 1)
+                self._log.close()
+                self._log = None
+                for name in names:
+                    os.remove(os.path.join(self._created, name))
+                os.rmdir(self._created)
+        except OSError:  # another process's log appeared, or removed it first
+            pass
+
+    def _redirect(self) -> None:
+        os.dup2(self._log.fileno(), 1)  # stdout and stderr, C++ included, into the log
+        os.dup2(self._log.fileno(), 2)
 
     def print(self, *values) -> None:
         """A result, on the terminal's stdout."""

@@ -9,7 +9,6 @@ reduced across replicas -> `actions` (log, evaluate, save) -> writers.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -183,7 +182,10 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
     a fresh state at step 0."""
     if checkpoints.latest_step() is None:
         return run.init_state(), 0
-    state = checkpoints.restore(like=run.abstract_state, strict=strict)
+    try:
+        state = checkpoints.restore(like=run.abstract_state, strict=strict)
+    except FileNotFoundError:  # none was readable; each was moved aside, with a warning
+        return run.init_state(), 0
     step = checkpoints.restored_step
     train_iter.set_state(checkpoints.saved_data_state(step)["iterator"].encode())
     changes = config_differences(checkpoints.saved_config(step), run.config.to_dict())
@@ -205,12 +207,3 @@ def _evaluate_and_write(run: Run, writer, eval_state, step: int, workdir: str) -
     if run.experiment.after_eval is not None and jax.process_index() == 0:
         run.experiment.after_eval(eval_state, workdir, step)
     return result
-
-
-def saved_config(workdir: str) -> dict | None:
-    """The config a run in ``workdir`` saved (``config.json``), or None."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)

@@ -7,7 +7,6 @@ over real examples, and the sums are added up on the devices and fetched once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -46,7 +45,14 @@ def evaluate_split(run: Run, eval_state: Any) -> dict[str, Any]:
             f"Evaluation counted {count} examples but the split has "
             f"{len(run.eval_source)}; the input pipeline lost or duplicated examples."
         )
-    return {**run.experiment.summarize(sums), "num_examples": count}
+    metrics = run.experiment.summarize(sums)
+    missing = [name for name in run.experiment.metric_names if name not in metrics]
+    if missing:
+        raise config_lib.ConfigError(
+            f"{run.config.experiment}: summarize reported {sorted(metrics)} for the eval sums, "
+            f"without {missing} that its metric_names declare."
+        )
+    return {**metrics, "num_examples": count}
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict | None:
@@ -55,11 +61,9 @@ def run_config(workdir: str) -> ml_collections.ConfigDict | None:
     Every key is overridable as in a config file: keys saved as None keep the type
     of their `config_lib.base_config` placeholder.
     """
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    saved = config_lib.read_saved(workdir)
+    if saved is None:
         return None
-    with open(path) as f:
-        saved = json.load(f)
     config = config_lib.base_config()
     for key, value in saved.items():
         if value is not None or key not in config:

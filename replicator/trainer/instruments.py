@@ -1,18 +1,17 @@
-"""Run instruments: progress bar, wall time per phase, FLOPs, MFU and the run summary."""
+"""Run instruments: progress bar, wall time per phase, and the run summary (FLOPs, MFU)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from typing import Any
 
 import jax
-import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from replicator import diloco, sharding
+from replicator.trainer.peaks import peak_flops_per_second
 
 log = logging.getLogger("replicator")
 
@@ -79,73 +78,6 @@ class _Phase:
 
     def __exit__(self, *exc):
         self._watch.add(self._phase, time.perf_counter() - self._t0)
-
-
-# Dense bf16 matmul peaks per chip, from the vendors' data sheets, by the start
-# of jax.Device.device_kind. MFU on an accelerator is measured against these.
-_PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "TPU7x": 2307e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA H100": 989e12,  # SXM; the PCIe card peaks at 756e12
-    "NVIDIA A100": 312e12,
-    "NVIDIA L4": 121e12,
-}
-
-
-def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None:
-    """The matmul peak of ``devices`` together, and where the number comes from.
-
-    Accelerators: the data-sheet dense bf16 peak of their chip times their
-    count. CPUs: an f32 matmul measured now on one of this process's devices
-    (chains of dependent 1024x1024 products, best of a few rounds, about
-    0.3 s), times the number of hosts (`_num_hosts`): a host's CPU devices
-    share its cores, and every host is taken to be like this one.
-
-    Returns:
-      ``(flops_per_second, source)``, or None for an accelerator not in the table.
-    """
-    kind = devices[0].device_kind
-    if devices[0].platform == "cpu":
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        return _num_hosts(devices) * measure_matmul_flops(local[0]), "measured f32 matmul"
-    for prefix, peak in _PEAK_FLOPS.items():
-        if kind.startswith(prefix):
-            return len(devices) * peak, f"{prefix} bf16 data sheet"
-    return None
-
-
-def _num_hosts(devices: list[jax.Device]) -> int:
-    """Hosts under ``devices``: one per process, unless the coordinator is this host's
-    loopback (``launch local``), where every process shares this host's cores."""
-    from replicator.runtime.compat import coordinator_address
-    from replicator.runtime.processes import is_loopback, split_address
-
-    address = coordinator_address()
-    if address and is_loopback(split_address(address)[0]):
-        return 1
-    return len({d.process_index for d in devices})
-
-
-def measure_matmul_flops(device: jax.Device, n: int = 1024, rounds: int = 5) -> float:
-    """Best f32 matmul rate of ``device`` in FLOP/s, over ``rounds`` chains of 4 products."""
-    rng = np.random.default_rng(0)
-    a = jax.device_put(rng.standard_normal((n, n), np.float32), device)
-    b = jax.device_put(rng.standard_normal((n, n), np.float32) / np.sqrt(n), device)
-    chain = jax.jit(lambda a, b: jax.lax.fori_loop(0, 4, lambda i, c: c @ b, a))
-    chain(a, b).block_until_ready()  # compile
-    best = math.inf
-    for _ in range(rounds):
-        start = time.perf_counter()
-        chain(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 4 * 2 * n**3 / best
 
 
 def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: bool) -> dict:

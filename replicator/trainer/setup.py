@@ -27,6 +27,7 @@ from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
+from replicator.trainer.config import ConfigError
 from replicator.trainer.experiment import Experiment, Settings
 
 # For programs that run once, like the state's initialisation, on CPU: XLA's
@@ -135,8 +136,16 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     )
     if training:
         _check_divisible("batch_size", config.batch_size, repl)
+        per_replica, accum = config.batch_size // repl.num_replicas, config.grad_accum_steps
+        if per_replica % accum:
+            raise ConfigError(
+                f"config.grad_accum_steps={accum} does not divide the per-replica batch of "
+                f"{per_replica} (config.batch_size={config.batch_size} over "
+                f"{repl.num_replicas} replicas); use a batch size that is a multiple of "
+                f"{accum * repl.num_replicas}."
+            )
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
-        raise ValueError(
+        raise ConfigError(
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "
             f"reports; it reports {list(experiment.metric_names)}."
         )
@@ -177,14 +186,14 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
     known = {f.name for f in dataclasses.fields(diloco.DiLoCo)} - {"outer_optimizer"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"config.diloco has unknown keys {unknown}; the keys are "
             f"{sorted(known | {'outer_learning_rate', 'outer_momentum'})}."
         )
     if "inner_steps" not in options:
-        raise ValueError("config.diloco needs inner_steps, e.g. dict(inner_steps=50).")
+        raise ConfigError("config.diloco needs inner_steps, e.g. dict(inner_steps=50).")
     if options.get("elastic"):
-        raise ValueError(
+        raise ConfigError(
             "config.diloco.elastic: the trainer's checkpoints and stop agreement wait for "
             "every process, so elastic islands run in a custom loop "
             "(rp.diloco.ElasticIslands; see the guide)."
@@ -197,7 +206,7 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
     try:
         return diloco.DiLoCo(**options)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.diloco: {e}") from e
+        raise ConfigError(f"config.diloco: {e}") from e
 
 
 def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstract: Any):
@@ -206,7 +215,7 @@ def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstra
     restore in that shape), and its shardings: those rows split over the island axis,
     the rest mirrored."""
     if repl.mesh.shape["tensor"] > 1:
-        raise ValueError(
+        raise ConfigError(
             "config.diloco keeps the parameters replicated: use a mesh without tensor."
         )
     islands = repl.mesh.shape[sync.axis]
@@ -233,21 +242,37 @@ def load_experiment(path: str, settings: Settings) -> Experiment:
     except ModuleNotFoundError as e:
         if e.name is None or not path.startswith(e.name):
             raise  # the experiment itself imports something missing: a real bug
-        raise ValueError(f"config.experiment={path!r} cannot be imported: {e}.") from e
+        raise ConfigError(f"config.experiment={path!r} cannot be imported: {e}.") from e
     make = getattr(module, "make_experiment", None)
     if not callable(make):
-        raise ValueError(
+        raise ConfigError(
             f"config.experiment={path!r} has no make_experiment(settings) function; an "
             "experiment module returns a replicator.trainer.Experiment from it."
         )
     try:
         experiment = make(settings)
     except TypeError as e:
-        raise ValueError(f"config.model does not fit {path}.make_experiment: {e}") from e
+        if "Experiment.__init__()" in str(e):  # the experiment's code, not the config
+            raise ConfigError(f"{path}.make_experiment builds an incomplete Experiment: {e}") from e
+        raise ConfigError(f"config.model does not fit {path}.make_experiment: {e}") from e
     if not isinstance(experiment, Experiment):
-        raise ValueError(
+        raise ConfigError(
             f"{path}.make_experiment returned {type(experiment).__name__}, not a "
             "replicator.trainer.Experiment."
+        )
+    missing = [
+        field.name
+        for field in dataclasses.fields(Experiment)
+        if field.name not in ("after_eval", "metric_names", "units")
+        and not callable(getattr(experiment, field.name))
+    ]
+    if missing:
+        raise ConfigError(f"{path}.make_experiment's Experiment has no {', '.join(missing)}.")
+    names = experiment.metric_names
+    if not names or isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(
+            f"{path}.make_experiment's Experiment has metric_names={names!r}; it needs a tuple "
+            "of the names its summarize reports for eval sums, e.g. ('loss', 'accuracy')."
         )
     return experiment
 
@@ -327,7 +352,7 @@ def _batch_unit(repl: Replicator) -> int:
 def _check_divisible(name: str, size: int, repl: Replicator) -> None:
     unit = _batch_unit(repl)
     if size % unit:
-        raise ValueError(
+        raise ConfigError(
             f"config.{name}={size} does not split evenly over {repl.num_replicas} replicas "
             f"and {jax.process_count()} processes; use a multiple of {unit}."
         )
