@@ -21,7 +21,12 @@ gradients are all-reduced first), halves the scale then, and doubles it after
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -98,6 +103,37 @@ def _cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
 
 
+_applied = [0]  # how often a policy was applied in a trace: `expect_policy` reads it
+_warned: weakref.WeakSet = weakref.WeakSet()  # steps told their policy went unused
+
+
+def note_applied() -> None:
+    """Records that a policy took effect in the step being traced."""
+    _applied[0] += 1
+
+
+@contextlib.contextmanager
+def expect_policy(policy: Policy, step: Callable) -> Iterator[None]:
+    """Around the trace of ``step``: warns once if a Replicator's low-precision
+    ``policy`` never took effect in it (no `apply_policy` model ran, no loss scale
+    was used), i.e. ``Replicator(precision=...)`` would change nothing."""
+    step = inspect.unwrap(step)  # the user's function, under replicator's wrappers
+    before = _applied[0]
+    yield
+    if policy.compute_dtype == jnp.float32 or _applied[0] != before or step in _warned:
+        return
+    _warned.add(step)
+    name = getattr(step, "__name__", "step")
+    warnings.warn(
+        f"The Replicator's precision is {policy.name!r}, but the step {name!r} traced "
+        "without it: apply it to the model (repl.apply_policy(model)) and, for fp16's "
+        "loss scale, create the state with rp.TrainState.create(..., "
+        "policy=repl.precision). A step that sets its own dtypes needs no precision= "
+        "on the Replicator.",
+        stacklevel=2,
+    )
+
+
 class PolicyModel:
     """A Flax model under a precision policy, with the model's own ``init``/``apply``.
 
@@ -116,6 +152,7 @@ class PolicyModel:
 
     def apply(self, variables: PyTree, *args, **kwargs) -> Any:
         policy = self.policy
+        note_applied()
         out = self.module.apply(
             policy.cast_to_compute(variables), *policy.cast_to_compute(args), **kwargs
         )
@@ -149,6 +186,7 @@ class PolicyModule(nnx.Module):
 
     def __call__(self, *args, **kwargs) -> Any:
         policy = self.policy
+        note_applied()
         graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
         compute = nnx.merge(graphdef, policy.cast_to_compute(params), rest, copy=True)
         for _, layer in nnx.iter_modules(compute):

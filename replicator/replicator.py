@@ -48,7 +48,7 @@ from replicator.context import (
 )
 from replicator.mesh import DATA_AXES, build_mesh
 from replicator.per_replica import Kind, PerReplica
-from replicator.precision import Policy, apply_policy, get_policy
+from replicator.precision import Policy, apply_policy, expect_policy, get_policy
 from replicator.runtime import compat
 
 PyTree = Any
@@ -135,6 +135,12 @@ class Replicator:
             tuple(a for a in DATA_AXES if self.mesh.shape[a] > 1) or DATA_AXES[:1]
         )
         self.num_replicas: int = math.prod(self.mesh.shape[a] for a in DATA_AXES)
+        # What compile binds to its one replica: the replica axes, and the data axes
+        # of size 1 too, which run's replicas also accept (a collective over them
+        # is the identity): one step, both paths.
+        self._one_replica_axes = self.axis_name + tuple(
+            a for a in DATA_AXES if a not in self.axis_name
+        )
         # Spelled ("data", "fsdp") even where one has size 1: a parameter sharded
         # over "fsdp" alone is then never mistaken for a batch.
         self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXES))
@@ -147,6 +153,9 @@ class Replicator:
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
         self._layouts: dict[Any, Any] = {}  # sharding -> _layout(sharding)
+        # Shapes of the per-replica values run returned: a host copy of one, passed
+        # back unmarked, would otherwise be taken as mirrored and grow an axis.
+        self._stacked_shapes: set[tuple[int, ...]] = set()
         self.rules = rules
         self.strict = strict
         self._plan: sharding.ShardingPlan | None = None
@@ -283,7 +292,7 @@ class Replicator:
           the placed arrays (references shared between them stay shared); the
           caller's are left as they were.
         """
-        if graphs.has_graph_nodes((tree,)):
+        if graphs.contains_graph_nodes(tree):
             call = graphs.split_call((tree,))
             placed = self.replicate(call.args)
             (tree,), _ = graphs.merge_call(call.layout, placed)
@@ -405,24 +414,34 @@ class Replicator:
         if graphs.has_graph_nodes(args):
             return self._run_graph(fn, args, donate_argnums, replica_rngs)
         step, meta, flat = self._run_step(fn, args, donate_argnums)
+        if step is None:  # NNX objects nested deeper in the arguments
+            return self._run_graph(fn, args, donate_argnums, replica_rngs)
         out = self._in_flight.dispatch(step, *flat)
         for i, kind in meta["remember"]:  # outputs whose role a later call must know
             pr.remember(out[i], kind)
+            if kind is _PER_REPLICA:
+                self._stacked_shapes.add(out[i].shape)
         return jax.tree.unflatten(meta["tree"], out)
 
     def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
         call = graphs.split_call(args)
+        pure = self._graph_fn(fn, call, replica_rngs)
+        donate = graphs.donated_positions(call.layout, donate_argnums)
+        program = functools.partial(self.run, pure, donate_argnums=donate)
+        devices = set(self.mesh.devices.flat)
+        out, new_state = graphs.call_program(program, call, devices, self.axis_name)
+        graphs.write_back(call, new_state)
+        return out
+
+    def _graph_fn(self, fn, call: graphs.SplitCall, replica_rngs: bool) -> Callable:
         key = (fn, call.layout, replica_rngs)
         pure = self._graph_fns.get(key)
-        if pure is None:  # checked on the first call of each step and layout
+        if pure is None:  # checked before the first trace; later calls, if they fail
             graphs.check_placement(call, set(self.mesh.devices.flat))
             pure = self._graph_fns[key] = graphs.make_pure(
                 fn, call.layout, replica_rngs=replica_rngs
             )
-        donate = graphs.donated_positions(call.layout, donate_argnums)
-        out, new_state = self.run(pure, *call.args, donate_argnums=donate)
-        graphs.write_back(call, new_state)
-        return out
+        return pure
 
     def lower(
         self, fn: Callable, *args: PyTree, donate_argnums: Sequence[int] = ()
@@ -435,6 +454,10 @@ class Replicator:
         shardings of real ones (donated arrays do).
         """
         step, _, flat = self._run_step(fn, args, donate_argnums)
+        if step is None or graphs.has_graph_nodes(args):  # the program on the objects' state
+            call = graphs.split_call(args)
+            donate = graphs.donated_positions(call.layout, donate_argnums)
+            return self.lower(self._graph_fn(fn, call, True), *call.args, donate_argnums=donate)
         return step.lower(*flat)
 
     def _run_step(self, fn: Callable, args: tuple, donate_argnums: Sequence[int]):
@@ -455,6 +478,8 @@ class Replicator:
         )  # fmt: skip
         key = (fn, treedef, kinds, donate, placed)
         entry = self._run_cache.get(key)
+        if entry is None and graphs.contains_graph_nodes(args):
+            entry = self._run_cache[key] = (None, None)  # `run` splits the NNX objects out
         if entry is None:
             meta: dict[str, Any] = {}
             step = jax.jit(
@@ -481,6 +506,8 @@ class Replicator:
             if layout is None:
                 if sharding is None and type(x) is PerReplica:
                     return None
+                if self._stacked_shapes and not isinstance(sharding, NamedSharding):
+                    self._check_not_stacked(x, args, i)
                 kinds.append(_MIRRORED)
             elif layout is _SPLIT:
                 kind = known(x)
@@ -508,6 +535,19 @@ class Replicator:
         if batch_like and not any(a in DATA_AXES for e in entries[1:] for a in e):
             return _SPLIT
         return _SHARDED
+
+    def _check_not_stacked(self, x: Any, args: tuple, index: int) -> None:
+        """Raises for a host (or single-device) array shaped like a per-replica value
+        run returned: mirrored, it would come back with one more axis every step."""
+        if np.shape(x) in self._stacked_shapes:
+            raise ValueError(
+                f"run: argument {_leaf_path(args, index)} (shape {np.shape(x)}) is not on "
+                "this Replicator's devices and has one row per replica, like a per-replica "
+                "value run returned (a copy of one on the host?), so run cannot tell if it "
+                "is per-replica or mirrored. Pass rp.PerReplica(value) for a per-replica value "
+                "(each replica gets its row), or repl.replicate(value) for a mirrored one "
+                "(each replica gets all of it)."
+            )
 
     def _split_kind(self, x: Any, args: tuple, index: int) -> Kind | NamedSharding:
         kind = pr.known_kind(x)
@@ -573,7 +613,7 @@ class Replicator:
         return jax.tree.map(unwrap, args)
 
     def _per_replica(self, fn: Callable, treedef, kinds: tuple, meta: dict, placed=None):
-        axes = self.axis_name
+        axes, policy = self.axis_name, self.precision
         ctx = ReplicaContext(self.num_replicas, axes)
         shardings = [k if isinstance(k, NamedSharding) else None for k in kinds]
         # Key paths of the leaves: the wrapped optimizer pairs gradients with parameters.
@@ -615,7 +655,8 @@ class Replicator:
             rows, trace = zero.gather_inputs(
                 rows, [None] * len(rows) if whole else shardings, axes, paths
             )
-            with replica_context(ctx, getattr(fn, "__name__", "step")), zero.tracing(trace):
+            name = getattr(fn, "__name__", "step")
+            with replica_context(ctx, name), zero.tracing(trace), expect_policy(policy, fn):
                 out = fn(*jax.tree.unflatten(treedef, rows))
                 # How each output leaves: mirrored (None), stacked per replica
                 # (_SPLIT), or sharded like the sharded input it stands for.
@@ -645,7 +686,7 @@ class Replicator:
 
             try:
                 jax.eval_shape(shard_map(probe, ()), *flat)
-            except (AssertionError, NameError) as e:
+            except (AssertionError, NameError, ValueError) as e:
                 self._raise_for_axis_names(e, call, flat, kinds)
                 raise
             layouts = found["layouts"]
@@ -722,10 +763,11 @@ class Replicator:
                 shape = shape[1:]
             local.append(jax.ShapeDtypeStruct(shape, x.dtype))
         try:  # sharded arguments given whole (their global shape)
-            jax.eval_shape(_bind_axes(lambda *xs: call(*xs, whole=True)[0], self.axis_name), *local)
+            whole = _bind_axes(lambda *xs: call(*xs, whole=True)[0], self._one_replica_axes)
+            jax.eval_shape(whole, *local)
         except NameError as e:
             name = _unbound_axis(e)
-            if name is not None and name not in self.axis_name:
+            if name is not None and name not in self._one_replica_axes:
                 raise self._axis_error(name, "run") from error
         except Exception:  # noqa: BLE001  (only a diagnosis; the original error stands)
             pass
@@ -861,26 +903,40 @@ class Replicator:
           A callable with ``fn``'s signature. Its ``lower(*args)`` lowers the
           program for those arguments, like `Replicator.lower` for `run`.
         """
-        if in_shardings is None and out_shardings is None and not static_argnums:
-            graph_steps: dict[Any, Callable] = {}
+        graph_programs: dict[Any, Callable] = {}
+        graph_trees: set = set()  # argument structures holding NNX objects below the top
 
-            def graph_step(*args):
-                call = graphs.split_call(args)
-                compiled = graph_steps.get(call.layout)
-                if compiled is None:
-                    graphs.check_placement(call, set(self.mesh.devices.flat))
-                    compiled = graph_steps[call.layout] = self.compile(
-                        graphs.make_pure(fn, call.layout),
-                        donate_argnums=graphs.donated_positions(
-                            call.layout, _as_positions(donate_argnums)
-                        ),
-                        compiler_options=compiler_options,
-                    )
-                out, new_state = compiled(*call.args)
-                graphs.write_back(call, new_state)
-                return out
-        else:
-            graph_step = None
+        def graph_program(call: graphs.SplitCall) -> Callable:
+            if in_shardings is not None or out_shardings is not None or static_argnums:
+                raise TypeError(
+                    "repl.compile takes Flax NNX objects as positional arguments, without "
+                    "in_shardings, out_shardings or static_argnums."
+                )
+            compiled = graph_programs.get(call.layout)
+            if compiled is None:  # checked before the first trace; later calls, if they fail
+                graphs.check_placement(call, set(self.mesh.devices.flat))
+                compiled = graph_programs[call.layout] = self.compile(
+                    graphs.make_pure(fn, call.layout),
+                    donate_argnums=graphs.donated_positions(
+                        call.layout, _as_positions(donate_argnums)
+                    ),
+                    compiler_options=compiler_options,
+                )
+            return compiled
+
+        def graph_step(*args, **kwargs):
+            if kwargs:
+                raise TypeError("repl.compile takes Flax NNX objects as positional arguments.")
+            call = graphs.split_call(args)
+            devices = set(self.mesh.devices.flat)
+            out, new_state = graphs.call_program(graph_program(call), call, devices, self.axis_name)
+            graphs.write_back(call, new_state)
+            return out
+
+        def has_graph_nodes(args) -> bool:  # the second look only once one was seen nested
+            return graphs.has_graph_nodes(args) or bool(
+                graph_trees and jax.tree.structure(args) in graph_trees
+            )
 
         jit = functools.partial(
             jax.jit,
@@ -891,7 +947,8 @@ class Replicator:
             compiler_options={**(self._compiler_options or {}), **(compiler_options or {})} or None,
         )
         mesh = self.mesh.abstract_mesh
-        plain = jit(_in_global_view(fn, mesh))
+        refused = graphs.refuse_graph_nodes(fn)  # NNX objects go through graph_step instead
+        plain = jit(_in_global_view(refused, mesh, self.precision))
         current = [plain]
         bound = self._in_flight.bound
         islands: list = []  # DiLoCo: the per-island program, made on first use
@@ -909,37 +966,42 @@ class Replicator:
             # once per island; decided per call, whenever the optimizer was wrapped.
             if self._island_axis is not None and diloco.has_states(args):
                 return island_step()(*args, **kwargs)
-            if graphs.has_graph_nodes(args):
-                if graph_step is None or kwargs:
-                    raise TypeError(
-                        "repl.compile takes Flax NNX objects as positional arguments, without "
-                        "in_shardings, out_shardings or static_argnums."
-                    )
-                return graph_step(*args)
+            if has_graph_nodes(args):
+                return graph_step(*args, **kwargs)
             try:  # the fast path: jit's own dispatch, plus the bound where it is needed
                 if bound:
                     return self._in_flight.dispatch(current[0], *args, **kwargs)
                 return current[0](*args, **kwargs)
+            except graphs.NestedGraphNodes:  # found while tracing: split them out from now on
+                graph_trees.add(jax.tree.structure(args))
+                return graph_step(*args, **kwargs)
             except NameError as e:
                 # A step without collectives compiles exactly as jax.jit(fn). One that
                 # uses the replica axes is traced again with them bound to one replica.
                 if not self._bind_replica_axes(e, current, plain):
                     raise
                 current[0] = step.jitted = jit(
-                    _in_global_view(_bind_axes(fn, self.axis_name), mesh)
+                    _in_global_view(
+                        _bind_axes(refused, self._one_replica_axes), mesh, self.precision
+                    )
                 )
                 return step(*args, **kwargs)
 
         def lower(*args, **kwargs) -> jax.stages.Lowered:
             if self._island_axis is not None and diloco.has_states(args):
                 return island_step().lower(*args, **kwargs)
+            if has_graph_nodes(args) or graphs.contains_graph_nodes(args):
+                call = graphs.split_call(args)  # the program on the objects' state
+                return graph_program(call).lower(*call.args)
             try:
                 return current[0].lower(*args, **kwargs)
             except NameError as e:
                 if not self._bind_replica_axes(e, current, plain):
                     raise
                 current[0] = step.jitted = jit(
-                    _in_global_view(_bind_axes(fn, self.axis_name), mesh)
+                    _in_global_view(
+                        _bind_axes(refused, self._one_replica_axes), mesh, self.precision
+                    )
                 )
                 return current[0].lower(*args, **kwargs)
 
@@ -1042,7 +1104,7 @@ class Replicator:
         name = _unbound_axis(error)
         if name is None:
             return False
-        if name not in self.axis_name or current[0] is not plain:
+        if name not in self._one_replica_axes or current[0] is not plain:
             raise self._axis_error(name, "compile") from error
         return True
 
@@ -1108,14 +1170,20 @@ def _stack(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return vary(jnp.asarray(x), axes)[None]
 
 
-def _in_global_view(fn: Callable, mesh: jax.sharding.AbstractMesh) -> Callable:
+def _in_global_view(
+    fn: Callable, mesh: jax.sharding.AbstractMesh, policy: Policy | None = None
+) -> Callable:
     """``fn`` traced as a global-view step: with the mesh ambient (bare
-    `PartitionSpec`s refer to it) only while tracing, never on each call."""
+    `PartitionSpec`s refer to it) only while tracing, never on each call; told
+    when the Replicator's ``policy`` goes unused (`expect_policy`)."""
 
     @functools.wraps(fn)
     def global_step(*args, **kwargs):
         with global_view(), jax.sharding.use_abstract_mesh(mesh):
-            return fn(*args, **kwargs)
+            if policy is None:
+                return fn(*args, **kwargs)
+            with expect_policy(policy, fn):
+                return fn(*args, **kwargs)
 
     # Named after the step in compile logs, profiles and HLO dumps: jit_<fn>.
     global_step.__name__ = getattr(
@@ -1140,7 +1208,18 @@ def _bind_axes(fn: Callable, axes: Sequence[str]) -> Callable:
         one = lambda _, *args: fn(*args, **kwargs)
         for name in reversed(axes):
             one = jax.vmap(one, in_axes=(0,) + (None,) * len(args), axis_name=name)
-        out = one(jnp.zeros((1,) * len(axes)), *args)
+        try:
+            out = one(jnp.zeros((1,) * len(axes)), *args)
+        except NotImplementedError as e:  # JAX's vmap of all_gather over several axes
+            if len(axes) < 2 or "feature request" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"A collective that gathers or scatters over repl.axis_name = {tuple(axes)!r} "
+                "(lax.all_gather, psum_scatter, all_to_all) cannot run under repl.compile when "
+                "the replicas span several mesh axes: JAX cannot batch it over them. Under "
+                "the global view there is one replica, so all_gather(x) is x[None]; or run "
+                "the step with repl.run, or use a mesh whose replicas span one axis."
+            ) from e
         return jax.tree.map(lambda x: x.reshape(x.shape[len(axes) :]), out)
 
     return bound

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator import diloco, zero
+from replicator import diloco, precision, zero
 from replicator.context import (
     get_replica_context,
     island_axis,
@@ -139,6 +139,9 @@ class TrainState:
         """
         scale = self.loss_scale
         with_state = self.model_state is not None
+
+        if scale is not None:
+            precision.note_applied()
 
         def scaled_loss(params, microbatch):
             if with_state:

@@ -179,6 +179,21 @@ def test_process_group_detection():
         detect_process_group("127.0.0.1:1", 2, 5)
 
 
+def test_slurm_is_detected_through_jax(monkeypatch):
+    """A SLURM job step's environment (as srun sets it): JAX's detector, via compat."""
+    for name, value in {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    port = 4242 % 2**12 + 65535 - 2**12 + 1  # JAX's port for the job
+    assert detect_process_group() == ProcessGroup(f"node1:{port}", 4, 2, "SlurmCluster")
+
+
 def test_tpu_dry_run_prints_the_commands():
     done = run(
         replicator_cmd(

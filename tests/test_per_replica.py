@@ -1,5 +1,7 @@
 """Inside a per-replica step: per-replica values, the axis name, replica keys, errors."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,15 @@ def test_value_that_could_be_a_batch_or_per_replica_is_an_error():
     with pytest.raises(ValueError, match=r"args\[0\].*cannot tell.*rp.PerReplica"):
         batch = repl.shard_batch(host_batches(1)[0])
         repl.run(ema_step, unknown, rp.PerReplica(np.zeros(8)), batch)
+    # A per-replica output copied to the host and passed back unmarked would be taken as
+    # mirrored and grow an axis every step (pmap's idiom through numpy): an error instead.
+    batch = repl.shard_batch(host_batches(1)[0])
+    ema, count = repl.run(ema_step, rp.PerReplica(np.zeros((8, 3))), np.zeros(8), batch)
+    for copy in (np.asarray(ema), jax.device_get(ema), jax.device_put(np.asarray(ema))):
+        with pytest.raises(ValueError, match=r"args\[0\].*rp.PerReplica.*repl.replicate"):
+            repl.run(ema_step, copy, count, batch)
+    assert repl.run(ema_step, rp.PerReplica(np.asarray(ema)), count, batch)[0].shape == (8, 3)
+    assert repl.run(ema_step, repl.replicate(np.asarray(ema)), count, batch)[0].shape == (8, 8, 3)
     # A batch of exactly one example per replica made by shard_batch is known to be a batch.
     batch = repl.shard_batch({"x": np.ones((8, 3), np.float32)})
     out = repl.run(lambda b: jnp.sum(b["x"]), batch)
@@ -122,6 +133,9 @@ def test_collectives_over_axis_name_agree_on_both_paths(mesh):
     global_view = repl.compile(make_collectives(repl.axis_name, gather))(batch)  # one replica
     if gather:
         np.testing.assert_allclose(global_view["gathered"], host["x"].sum(), rtol=1e-5)
+    else:  # a clear error that says what to do instead
+        with pytest.raises(NotImplementedError, match=r"repl.axis_name.*all_gather\(x\) is x"):
+            repl.compile(make_collectives(repl.axis_name))(batch)
     for name, value in expected.items():
         np.testing.assert_allclose(global_view[name], value, rtol=1e-5)
     assert bool(global_view["first"])
@@ -173,10 +187,21 @@ def test_axis_name_that_is_not_the_replicas_is_a_clear_error(path):
     def psum_step(variables, batch):
         return jax.lax.psum(batch["x"], "batch")
 
-    for fn in (step, psum_step):
-        call = repl.run if path == "run" else lambda f, *a: repl.compile(f)(*a)
+    def tuple_step(variables, batch):  # one right name, one wrong
+        return jax.lax.psum(batch["x"], ("data", "batch"))
+
+    call = repl.run if path == "run" else lambda f, *a: repl.compile(f)(*a)
+    for fn in (step, psum_step, tuple_step):
         with pytest.raises(rp.AxisNameError, match=r"'batch'.*repl.axis_name = \('data',\)"):
             call(fn, variables, batch)
+
+    # A data axis of size 1 (fsdp here) is a collective over one device on both paths.
+    def fsdp_step(variables, batch):
+        return jax.lax.psum(jnp.sum(batch["x"]), "fsdp")
+
+    np.testing.assert_allclose(
+        call(fsdp_step, variables, batch), 24.0 if path == "compile" else 3.0
+    )
 
 
 def test_batchnorm_with_axis_name_runs_unchanged_on_both_paths():
@@ -222,6 +247,29 @@ def test_precision_policy_reaches_the_users_model_and_state():
     )
     assert fp16.loss_scale is not None  # fp16 trains with a dynamic loss scale
     assert rp.TrainState.create(params, tx, jax.random.key(0), policy="bf16").loss_scale is None
+
+
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_a_precision_the_step_never_applies_is_pointed_out(path):
+    repl = rp.Replicator(precision="bf16")
+    batch = repl.shard_batch(host_batches(1)[0])
+    plain, policed = nn.Dense(2), repl.apply_policy(nn.Dense(2))
+    params = repl.replicate(plain.init(jax.random.key(0), jnp.ones((1, 3))))
+    call = repl.run if path == "run" else lambda fn, *args: repl.compile(fn)(*args)
+
+    def ignores_it(params, batch):
+        return jnp.sum(plain.apply(params, batch["x"]))
+
+    def applies_it(params, batch):
+        return jnp.sum(policed.apply(params, batch["x"]))
+
+    with pytest.warns(UserWarning, match="precision is 'bf16', but the step 'ignores_it'"):
+        call(ignores_it, params, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per step; a step that applies it: silent
+        call(ignores_it, params, batch)
+        call(applies_it, params, batch)
+        rp.Replicator().run(ignores_it, params, batch)  # fp32: nothing to apply
 
 
 def test_process_rows_in_one_process():

@@ -43,3 +43,22 @@ def test_diloco_islands_reach_97_percent_with_20x_less_traffic(tmp_path, digits_
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         summary = [r for r in map(json.loads, f) if "cross_island_bytes_per_step" in r][-1]
     assert summary["cross_island_bytes_per_step"] * 20 <= summary["data_parallel_bytes_per_step"]
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_nnx_cnn_reaches_97_percent_and_evaluates_on_1_and_3_devices(
+    tmp_path, digits_data_dir, precision
+):
+    """configs/digits_nnx_cnn.py in full (the Flax NNX tutorial's CNN), on 8 replicas."""
+    import jax
+
+    from tests.test_configs import CONFIG_DIR
+    from tests.test_configs import load_config as load_config_file
+
+    config = load_config_file(CONFIG_DIR / "digits_nnx_cnn.py")
+    config.update(data_dir=digits_data_dir, precision=precision)
+    result = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+    assert result["accuracy"] >= 0.97 and result["num_examples"] == 360
+    for count in (1, 3):
+        got = trainer.evaluate(config, str(tmp_path), devices=jax.devices()[:count])
+        assert got["accuracy"] == pytest.approx(result["accuracy"], abs=1e-9)

@@ -74,9 +74,11 @@ class Console:
             return
         name = "log.txt" if process_index == 0 else f"log.process_{process_index}.txt"
         try:
-            if not os.path.isdir(workdir):
+            try:
                 os.makedirs(workdir)
                 self._created = workdir
+            except FileExistsError:  # there already, or another process made it just now
+                pass
             log = open(os.path.join(workdir, name), "a", buffering=1, errors="replace")
         except OSError as e:
             logging.getLogger("replicator").warning("Cannot write a log in %s: %s", workdir, e)
