@@ -288,11 +288,11 @@ class Checkpoints:
           The restored state, structured like ``like``.
 
         Raises:
-          FileNotFoundError: no checkpoint (or none for ``step``) in the directory;
-            or, with ``step=None``, none readable: each was moved aside as above.
+          FileNotFoundError: no checkpoint (or none for ``step``) in the directory.
           CheckpointMismatchError: the saved state has other paths or shapes than
             ``like``; the message lists each with both shapes.
-          CorruptCheckpointError: the checkpoint's files cannot be read.
+          CorruptCheckpointError: the checkpoint's files cannot be read (with
+            ``step=None``: none of them can; nothing is moved then).
 
         Example::
 
@@ -408,29 +408,22 @@ class Checkpoints:
             for bad, error in unreadable:
                 self._set_aside_unreadable(bad, error, instead=candidate)
             return result
-        if self.read_only:
-            raise CorruptCheckpointError(
-                f"No readable checkpoint in {self.directory}: steps {available} are all "
-                f"unreadable (the newest: {unreadable[0][1]})"
-            )
-        for bad, error in unreadable:  # nothing to fall back on: all of them out of the way
-            self._set_aside_unreadable(bad, error, instead=None)
-        raise FileNotFoundError(
-            f"No readable checkpoint in {self.directory}: steps {available} were unreadable "
-            f"and are now in {self.directory}.corrupt."
+        # None readable: nothing is moved (a storage outage looks the same as damage,
+        # and starting over would discard the run); the user decides.
+        raise CorruptCheckpointError(
+            f"No readable checkpoint in {self.directory}: steps {available} are all "
+            f"unreadable (the newest: {unreadable[0][1]}). Move the directory aside to "
+            "start over, or fix what keeps them from being read"
         )
 
-    def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int | None) -> None:
+    def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int) -> None:
         """Warns, in one line, of an unreadable step and moves it out of the way (unless
-        ``read_only``); ``instead`` is the step restored, None if none is readable."""
+        ``read_only``); ``instead`` is the step restored."""
         if self.read_only:
             log.warning("%s; restored step %d instead.", error, instead)
             return
         moved = self._move_aside(step, "corrupt")
-        if instead is None:
-            log.warning("%s; moved it to %s (no checkpoint is readable).", error, moved)
-        else:
-            log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
+        log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
 
     def _step_path(self, step: int) -> epath.Path:
         return epath.Path(self.directory) / str(step)

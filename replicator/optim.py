@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from replicator import diloco, zero
+from replicator import diloco, precision, zero
 from replicator.context import sum_varying, warn_if_loss_not_averaged
 
 
@@ -63,6 +63,7 @@ def wrap_optimizer(
 
     def update_fn(updates, state, params=None, **extra_args):
         warn_if_loss_not_averaged()
+        precision.note_training()
         if zero.active():  # sharded parameters under run
             return zero.update(tx, updates, state, params, axis_names, **extra_args)
         return tx.update(sum_across_replicas(updates, axis_names), state, params, **extra_args)

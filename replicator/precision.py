@@ -103,35 +103,60 @@ def _cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
 
 
-_applied = [0]  # how often a policy was applied in a trace: `expect_policy` reads it
-_warned: weakref.WeakSet = weakref.WeakSet()  # steps told their policy went unused
+_watched: list[list[bool]] = []  # per step being traced: [policy applied, optimizer updated]
+_warned: weakref.WeakSet = weakref.WeakSet()  # the steps already told
+_warned_ids: set[int] = set()  # ... those that take no weak reference
 
 
 def note_applied() -> None:
-    """Records that a policy took effect in the step being traced."""
-    _applied[0] += 1
+    """Records that a policy took effect in the steps being traced."""
+    for frame in _watched:
+        frame[0] = True
+
+
+def note_training() -> None:
+    """Records that the steps being traced update parameters (the wrapped optimizer)."""
+    for frame in _watched:
+        frame[1] = True
 
 
 @contextlib.contextmanager
 def expect_policy(policy: Policy, step: Callable) -> Iterator[None]:
-    """Around the trace of ``step``: warns once if a Replicator's low-precision
-    ``policy`` never took effect in it (no `apply_policy` model ran, no loss scale
-    was used), i.e. ``Replicator(precision=...)`` would change nothing."""
+    """Around the trace of ``step``: warns once if the step trains (its gradients
+    reach a wrapped optimizer) under a Replicator's low-precision ``policy`` that
+    never took effect in it (no `apply_policy` model ran, no loss scale was used):
+    ``Replicator(precision=...)`` would change nothing. Steps that do not train
+    (initialisation, evaluation, reductions) are not told."""
+    frame = [False, False]
+    _watched.append(frame)
+    try:
+        yield
+    finally:
+        _watched.remove(frame)
+    applied, trains = frame
     step = inspect.unwrap(step)  # the user's function, under replicator's wrappers
-    before = _applied[0]
-    yield
-    if policy.compute_dtype == jnp.float32 or _applied[0] != before or step in _warned:
+    if policy.compute_dtype == jnp.float32 or applied or not trains or _told(step):
         return
-    _warned.add(step)
     name = getattr(step, "__name__", "step")
     warnings.warn(
-        f"The Replicator's precision is {policy.name!r}, but the step {name!r} traced "
+        f"The Replicator's precision is {policy.name!r}, but the step {name!r} trains "
         "without it: apply it to the model (repl.apply_policy(model)) and, for fp16's "
         "loss scale, create the state with rp.TrainState.create(..., "
         "policy=repl.precision). A step that sets its own dtypes needs no precision= "
         "on the Replicator.",
-        stacklevel=2,
+        stacklevel=3,
     )
+
+
+def _told(step: Callable) -> bool:
+    """Whether ``step`` was told already; records that it is now."""
+    try:
+        told = step in _warned
+        _warned.add(step)
+    except TypeError:  # e.g. a slotted callable object
+        told = id(step) in _warned_ids
+        _warned_ids.add(id(step))
+    return told
 
 
 class PolicyModel:

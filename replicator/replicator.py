@@ -153,9 +153,6 @@ class Replicator:
         self._compiler_options = cpu.configure(devices) if cpu_defaults else None
         self._run_cache: dict[Any, tuple[Callable, dict]] = {}
         self._layouts: dict[Any, Any] = {}  # sharding -> _layout(sharding)
-        # Shapes of the per-replica values run returned: a host copy of one, passed
-        # back unmarked, would otherwise be taken as mirrored and grow an axis.
-        self._stacked_shapes: set[tuple[int, ...]] = set()
         self.rules = rules
         self.strict = strict
         self._plan: sharding.ShardingPlan | None = None
@@ -419,8 +416,8 @@ class Replicator:
         out = self._in_flight.dispatch(step, *flat)
         for i, kind in meta["remember"]:  # outputs whose role a later call must know
             pr.remember(out[i], kind)
-            if kind is _PER_REPLICA:
-                self._stacked_shapes.add(out[i].shape)
+        if meta["grows"]:
+            self._check_growth(meta["grows"], flat, args)
         return jax.tree.unflatten(meta["tree"], out)
 
     def _run_graph(self, fn, args, donate_argnums, replica_rngs) -> PyTree:
@@ -506,8 +503,6 @@ class Replicator:
             if layout is None:
                 if sharding is None and type(x) is PerReplica:
                     return None
-                if self._stacked_shapes and not isinstance(sharding, NamedSharding):
-                    self._check_not_stacked(x, args, i)
                 kinds.append(_MIRRORED)
             elif layout is _SPLIT:
                 kind = known(x)
@@ -536,18 +531,21 @@ class Replicator:
             return _SPLIT
         return _SHARDED
 
-    def _check_not_stacked(self, x: Any, args: tuple, index: int) -> None:
-        """Raises for a host (or single-device) array shaped like a per-replica value
-        run returned: mirrored, it would come back with one more axis every step."""
-        if np.shape(x) in self._stacked_shapes:
-            raise ValueError(
-                f"run: argument {_leaf_path(args, index)} (shape {np.shape(x)}) is not on "
-                "this Replicator's devices and has one row per replica, like a per-replica "
-                "value run returned (a copy of one on the host?), so run cannot tell if it "
-                "is per-replica or mirrored. Pass rp.PerReplica(value) for a per-replica value "
-                "(each replica gets its row), or repl.replicate(value) for a mirrored one "
-                "(each replica gets all of it)."
-            )
+    def _check_growth(self, grows: list[int], flat: list, args: tuple) -> None:
+        """Raises for a mirrored argument, not placed on the mesh, that came back with one
+        more axis (a host copy of a per-replica value, passed back unmarked: it would
+        grow every step). One placed with `replicate` is mirrored by choice."""
+        for index in grows:
+            if not isinstance(getattr(flat[index], "sharding", None), NamedSharding):
+                shape = np.shape(flat[index])
+                raise ValueError(
+                    f"run: argument {_leaf_path(args, index)} (shape {shape}) came in "
+                    f"mirrored and left per replica with shape {(self.num_replicas, *shape)}: "
+                    "a per-replica value copied to the host and passed back unmarked grows "
+                    "an axis every step. Pass rp.PerReplica(value) for a per-replica value "
+                    "(each replica gets its row), or repl.replicate(value) for a mirrored "
+                    "one (each replica gets all of it)."
+                )
 
     def _split_kind(self, x: Any, args: tuple, index: int) -> Kind | NamedSharding:
         kind = pr.known_kind(x)
@@ -725,6 +723,16 @@ class Replicator:
                 or (isinstance(layout, NamedSharding) and self._layout(layout) is _SPLIT)
             ]  # fmt: skip
             out = shard_map(body, out_specs)(*flat)
+            # Mirrored inputs of one row per replica that came back one axis longer
+            # (checked per call, where run can see how the input was placed).
+            stacked = {out[i].shape for i, kind in meta["remember"] if kind is Kind.PER_REPLICA}
+            meta["grows"] = [
+                i
+                for i, (x, kind) in enumerate(zip(flat, kinds))
+                if kind is Kind.MIRRORED
+                and x.shape[:1] == (self.num_replicas,)
+                and (self.num_replicas, *x.shape) in stacked
+            ]
             return tuple(
                 jax.lax.with_sharding_constraint(x, layout) if isinstance(layout, NamedSharding)
                 else self._mirrored_layout(x, flat, placed) if layout is None
@@ -973,6 +981,10 @@ class Replicator:
                     return self._in_flight.dispatch(current[0], *args, **kwargs)
                 return current[0](*args, **kwargs)
             except graphs.NestedGraphNodes:  # found while tracing: split them out from now on
+                if kwargs:
+                    raise TypeError(
+                        "repl.compile takes Flax NNX objects as positional arguments."
+                    ) from None
                 graph_trees.add(jax.tree.structure(args))
                 return graph_step(*args, **kwargs)
             except NameError as e:

@@ -87,6 +87,11 @@ def test_value_that_could_be_a_batch_or_per_replica_is_an_error():
             repl.run(ema_step, copy, count, batch)
     assert repl.run(ema_step, rp.PerReplica(np.asarray(ema)), count, batch)[0].shape == (8, 3)
     assert repl.run(ema_step, repl.replicate(np.asarray(ema)), count, batch)[0].shape == (8, 8, 3)
+    # A host constant of one row per replica that does not grow is mirrored as ever.
+    weights = np.arange(8.0)
+    out = repl.run(lambda w, b: jnp.sum(w) + b["x"].sum(), weights, batch)
+    assert out.shape == (8,)
+    assert repl.run(lambda w, b: w * 2, weights, batch).shape == (8,)
     # A batch of exactly one example per replica made by shard_batch is known to be a batch.
     batch = repl.shard_batch({"x": np.ones((8, 3), np.float32)})
     out = repl.run(lambda b: jnp.sum(b["x"]), batch)
@@ -255,21 +260,32 @@ def test_a_precision_the_step_never_applies_is_pointed_out(path):
     batch = repl.shard_batch(host_batches(1)[0])
     plain, policed = nn.Dense(2), repl.apply_policy(nn.Dense(2))
     params = repl.replicate(plain.init(jax.random.key(0), jnp.ones((1, 3))))
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    opt_state = repl.replicate(tx.init(params))
     call = repl.run if path == "run" else lambda fn, *args: repl.compile(fn)(*args)
 
-    def ignores_it(params, batch):
-        return jnp.sum(plain.apply(params, batch["x"]))
+    def train_with(model):
+        def loss_fn(params, batch):
+            return rp.compute_average_loss(jnp.sum(model.apply(params, batch["x"]), -1))
 
-    def applies_it(params, batch):
-        return jnp.sum(policed.apply(params, batch["x"]))
+        def step(params, opt_state, batch):
+            grads = jax.grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
-    with pytest.warns(UserWarning, match="precision is 'bf16', but the step 'ignores_it'"):
-        call(ignores_it, params, batch)
+        return step
+
+    ignores_it, applies_it = train_with(plain), train_with(policed)
+    ignores_it.__name__ = "ignores_it"
+    with pytest.warns(UserWarning, match="precision is 'bf16', but the step 'ignores_it' trains"):
+        call(ignores_it, params, opt_state, batch)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per step; a step that applies it: silent
-        call(ignores_it, params, batch)
-        call(applies_it, params, batch)
-        rp.Replicator().run(ignores_it, params, batch)  # fp32: nothing to apply
+        warnings.simplefilter("error")  # once per step; silent where the policy applies
+        call(ignores_it, params, opt_state, batch)
+        call(applies_it, params, opt_state, batch)
+        # Steps that do not train (an init, an eval, a reduction) are not told.
+        call(lambda params, batch: jnp.sum(plain.apply(params, batch["x"])), params, batch)
+        rp.Replicator().run(train_with(plain), params, opt_state, batch)  # fp32
 
 
 def test_process_rows_in_one_process():

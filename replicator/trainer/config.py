@@ -125,7 +125,7 @@ def base_config(mode: str = "", modes: tuple[str, ...] = ("smoke",)) -> ml_colle
     ('adam', None, 3)
     """
     if mode and mode not in modes:
-        raise ValueError(f"unknown config mode {mode!r}; this config's modes: {', '.join(modes)}")
+        raise ConfigError(f"unknown config mode {mode!r}; this config's modes: {', '.join(modes)}")
     c = ml_collections.ConfigDict()
     for key, (types, default, _) in SCHEMA.items():
         if default is _REQUIRED:

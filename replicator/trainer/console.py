@@ -93,21 +93,21 @@ class Console:
         self._redirect()
 
     def discard_new_workdir(self) -> None:
-        """Removes the workdir `log_to` made, if it holds nothing but logs: a command
-        refused for a mistake in its input leaves nothing behind."""
+        """Removes the workdir `log_to` made, if it holds nothing but this process's log:
+        a command refused for a mistake in its input leaves nothing behind. (Other
+        processes' logs stay, and with them the directory.)"""
         if self._created is None or self._log is None:
             return
+        own = os.path.basename(self._log.name)
         try:
-            names = os.listdir(self._created)
-            if all(name.startswith("log") and name.endswith(".txt") for name in names):
+            if os.listdir(self._created) == [own]:
                 os.dup2(self.err.fileno(), 2)  # the log is going: C++ output to the terminal
                 os.dup2(self.out.fileno(), 1)
                 self._log.close()
                 self._log = None
-                for name in names:
-                    os.remove(os.path.join(self._created, name))
+                os.remove(os.path.join(self._created, own))
                 os.rmdir(self._created)
-        except OSError:  # another process's log appeared, or removed it first
+        except OSError:  # another process wrote there meanwhile: keep it
             pass
 
     def _redirect(self) -> None:

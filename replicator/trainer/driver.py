@@ -182,10 +182,7 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
     a fresh state at step 0."""
     if checkpoints.latest_step() is None:
         return run.init_state(), 0
-    try:
-        state = checkpoints.restore(like=run.abstract_state, strict=strict)
-    except FileNotFoundError:  # none was readable; each was moved aside, with a warning
-        return run.init_state(), 0
+    state = checkpoints.restore(like=run.abstract_state, strict=strict)
     step = checkpoints.restored_step
     train_iter.set_state(checkpoints.saved_data_state(step)["iterator"].encode())
     changes = config_differences(checkpoints.saved_config(step), run.config.to_dict())
