@@ -147,6 +147,7 @@ class Replicator:
         self.mirrored_sharding = NamedSharding(self.mesh, P())
         self._feeders = _feeding_processes(self.batch_sharding, self.num_replicas)
         devices = list(self.mesh.devices.flat)
+        self._device_set = set(devices)  # what NNX objects' arrays must sit on
         if max_steps_in_flight is None:  # only XLA:CPU's collectives need a bound
             max_steps_in_flight = 2 if cpu.needs_bounded_dispatch(devices) else 0
         self._in_flight = _StepsInFlight(max_steps_in_flight)
@@ -425,8 +426,7 @@ class Replicator:
         pure = self._graph_fn(fn, call, replica_rngs)
         donate = graphs.donated_positions(call.layout, donate_argnums)
         program = functools.partial(self.run, pure, donate_argnums=donate)
-        devices = set(self.mesh.devices.flat)
-        out, new_state = graphs.call_program(program, call, devices, self.axis_name)
+        out, new_state = graphs.call_program(program, call, self._device_set, self.axis_name)
         graphs.write_back(call, new_state)
         return out
 
@@ -434,7 +434,7 @@ class Replicator:
         key = (fn, call.layout, replica_rngs)
         pure = self._graph_fns.get(key)
         if pure is None:  # checked before the first trace; later calls, if they fail
-            graphs.check_placement(call, set(self.mesh.devices.flat))
+            graphs.check_placement(call, self._device_set)
             pure = self._graph_fns[key] = graphs.make_pure(
                 fn, call.layout, replica_rngs=replica_rngs
             )
@@ -922,7 +922,7 @@ class Replicator:
                 )
             compiled = graph_programs.get(call.layout)
             if compiled is None:  # checked before the first trace; later calls, if they fail
-                graphs.check_placement(call, set(self.mesh.devices.flat))
+                graphs.check_placement(call, self._device_set)
                 compiled = graph_programs[call.layout] = self.compile(
                     graphs.make_pure(fn, call.layout),
                     donate_argnums=graphs.donated_positions(
@@ -936,8 +936,9 @@ class Replicator:
             if kwargs:
                 raise TypeError("repl.compile takes Flax NNX objects as positional arguments.")
             call = graphs.split_call(args)
-            devices = set(self.mesh.devices.flat)
-            out, new_state = graphs.call_program(graph_program(call), call, devices, self.axis_name)
+            out, new_state = graphs.call_program(
+                graph_program(call), call, self._device_set, self.axis_name
+            )
             graphs.write_back(call, new_state)
             return out
 
@@ -990,31 +991,31 @@ class Replicator:
             except NameError as e:
                 # A step without collectives compiles exactly as jax.jit(fn). One that
                 # uses the replica axes is traced again with them bound to one replica.
-                if not self._bind_replica_axes(e, current, plain):
+                if not bind_replica_axes(e):
                     raise
-                current[0] = step.jitted = jit(
-                    _in_global_view(
-                        _bind_axes(refused, self._one_replica_axes), mesh, self.precision
-                    )
-                )
                 return step(*args, **kwargs)
+
+        def bind_replica_axes(error: NameError) -> bool:
+            """Whether ``error`` means: trace again with the replica axes bound to one
+            replica; if so, the step is that program from now on."""
+            if not self._bind_replica_axes(error, current, plain):
+                return False
+            current[0] = step.jitted = jit(
+                _in_global_view(_bind_axes(refused, self._one_replica_axes), mesh, self.precision)
+            )
+            return True
 
         def lower(*args, **kwargs) -> jax.stages.Lowered:
             if self._island_axis is not None and diloco.has_states(args):
                 return island_step().lower(*args, **kwargs)
-            if has_graph_nodes(args) or graphs.contains_graph_nodes(args):
+            if graphs.contains_graph_nodes(args):
                 call = graphs.split_call(args)  # the program on the objects' state
                 return graph_program(call).lower(*call.args)
             try:
                 return current[0].lower(*args, **kwargs)
             except NameError as e:
-                if not self._bind_replica_axes(e, current, plain):
+                if not bind_replica_axes(e):
                     raise
-                current[0] = step.jitted = jit(
-                    _in_global_view(
-                        _bind_axes(refused, self._one_replica_axes), mesh, self.precision
-                    )
-                )
                 return current[0].lower(*args, **kwargs)
 
         step.jitted, step.lower = plain, lower  # jitted: the jax.jit object in use

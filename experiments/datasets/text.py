@@ -204,18 +204,26 @@ def split_documents(
     return {"train": part("train"), "test": part("test")}
 
 
-def _window_info(builder: LocalBuilder, description: str) -> tfds.core.DatasetInfo:
-    length = builder.builder_config.block_size + 1
-    features = tfds.features.FeaturesDict(
-        {"tokens": tfds.features.Tensor(shape=(length,), dtype=np.int32)}
-    )
-    return tfds.core.DatasetInfo(builder=builder, description=description, features=features)
+class _WindowBuilder(LocalBuilder, skip_registration=True):
+    """What the three builders share: examples are windows of ``block_size + 1``
+    tokens cut from each split's documents, built here on first use."""
 
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    # Read by replicator.trainer.data: such builders are prepared on first use.
+    BUILDS_OFFLINE = True
 
-def _generate_windows(tokens: Iterable[np.ndarray], block_size: int) -> Iterator[tuple[int, dict]]:
-    # The key is the window's position in its split.
-    for index, window in enumerate(cut_windows(tokens, block_size)):
-        yield index, {"tokens": window}
+    def _window_info(self, description: str) -> tfds.core.DatasetInfo:
+        length = self.builder_config.block_size + 1
+        features = tfds.features.FeaturesDict(
+            {"tokens": tfds.features.Tensor(shape=(length,), dtype=np.int32)}
+        )
+        return tfds.core.DatasetInfo(builder=self, description=description, features=features)
+
+    def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
+        # The key is the window's position in its split.
+        for index, window in enumerate(cut_windows(tokens, self.builder_config.block_size)):
+            yield index, {"tokens": window}
 
 
 def _stdlib_config(subset: str, block_size: int) -> WindowConfig:
@@ -227,22 +235,17 @@ def _stdlib_config(subset: str, block_size: int) -> WindowConfig:
     )
 
 
-class PythonStdlib(LocalBuilder):
+class PythonStdlib(_WindowBuilder):
     """The Python standard library's source files as byte windows (no download needed)."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
     BUILDER_CONFIGS = [
         _stdlib_config("modules", 128),
         _stdlib_config("all", 1024),
         _stdlib_config("all", 2048),
     ]
-    # Read by replicator.trainer.data: such builders are prepared on first use.
-    BUILDS_OFFLINE = True
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return _window_info(
-            self,
+        return self._window_info(
             f"Byte windows of the Python {sys.version.split()[0]} standard library's "
             f"sources ({self.builder_config.subset}), split by file: 5% of files test.",
         )
@@ -253,11 +256,8 @@ class PythonStdlib(LocalBuilder):
         splits = split_documents(stdlib_documents(config.subset))
         return {name: self._generate_examples(tokens) for name, tokens in splits.items()}
 
-    def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
-        return _generate_windows(tokens, self.builder_config.block_size)
 
-
-class TextFiles(LocalBuilder):
+class TextFiles(_WindowBuilder):
     """Your own text or ``.npy`` token files as windows: ``text_files/block_size=N,files=GLOB``.
 
     Args:
@@ -265,10 +265,6 @@ class TextFiles(LocalBuilder):
       block_size: tokens per window, plus one.
       **kwargs: `tfds.core.DatasetBuilder`'s (``data_dir``, ``file_format``...).
     """
-
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    BUILDS_OFFLINE = True
 
     def __init__(self, *, files: str = "", block_size: int = 1024, **kwargs):
         if not files or kwargs.get("config") is not None:
@@ -291,8 +287,7 @@ class TextFiles(LocalBuilder):
         super().__init__(config=config, **kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return _window_info(
-            self,
+        return self._window_info(
             f"Windows of {self.builder_config.description}, split by file: 5% of files test.",
         )
 
@@ -301,11 +296,8 @@ class TextFiles(LocalBuilder):
         splits = split_documents(self._documents)
         return {name: self._generate_examples(tokens) for name, tokens in splits.items()}
 
-    def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
-        return _generate_windows(tokens, self.builder_config.block_size)
 
-
-class TextTfds(LocalBuilder):
+class TextTfds(_WindowBuilder):
     """A tfds text dataset as byte windows: ``text_tfds/source=NAME,block_size=N``.
 
     Each example's ``feature`` (a string) is one document: its UTF-8 bytes, then
@@ -320,10 +312,6 @@ class TextTfds(LocalBuilder):
       test_split: the source's split that becomes ``test``.
       **kwargs: `tfds.core.DatasetBuilder`'s (``data_dir``, ``file_format``...).
     """
-
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    BUILDS_OFFLINE = True  # reads a prepared dataset; downloads nothing
 
     def __init__(
         self,
@@ -353,7 +341,7 @@ class TextTfds(LocalBuilder):
         super().__init__(config=config, **kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return _window_info(self, f"Byte windows of {self.builder_config.description}.")
+        return self._window_info(f"Byte windows of {self.builder_config.description}.")
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         del dl_manager  # the source is prepared locally
@@ -371,6 +359,3 @@ class TextTfds(LocalBuilder):
             data = value.encode() if isinstance(value, str) else bytes(value)
             text = np.frombuffer(data, np.uint8)
             yield np.append(text, np.uint8(DOCUMENT_SEPARATOR)).astype(np.int32)
-
-    def _generate_examples(self, tokens: Iterable[np.ndarray]) -> Iterator[tuple[int, dict]]:
-        return _generate_windows(tokens, self.builder_config.block_size)
