@@ -13,9 +13,14 @@ Expected: 98.3% test accuracy with seed 0 (synchronous data parallelism,
 ``digits_cnn.py``: 98.9%), sending 23x fewer bytes between islands (the run
 summary's ``cross_island_bytes_per_step``), in about 15 s on a 2-core CPU.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python -m replicator train --config configs/digits_cnn_diloco.py \\
-      --workdir runs/digits_cnn_diloco
+    python -m replicator train --config configs/digits_cnn_diloco.py \\
+      --workdir runs/digits_cnn_diloco --cpu_devices=8
+
+Training needs exactly 8 devices: ``--cpu_devices=8`` splits a CPU host into 8;
+elsewhere, give a mesh for the devices there are, e.g. 2 islands of 2 on 4:
+``--config.mesh="{'data': 2, 'fsdp': 2}"``.
+``python -m replicator eval --workdir runs/digits_cnn_diloco`` evaluates the
+outer parameters on any number of devices, without flags.
 
 Every DiLoCo knob can be overridden, e.g. ``--config.diloco.inner_steps=50``.
 Smoke mode for tests: ``--config configs/digits_cnn_diloco.py:smoke``.

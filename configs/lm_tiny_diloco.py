@@ -10,8 +10,14 @@ with inner Adam, each island's moments see only its own 8 windows a step, and
 300 steps are 30 syncs: DiLoCo pays off on long runs over slow links, not
 here), about 60 s on a 2-core CPU with 8 fake devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python -m replicator train --config configs/lm_tiny_diloco.py --workdir runs/lm_diloco
+    python -m replicator train --config configs/lm_tiny_diloco.py --workdir runs/lm_diloco \\
+      --cpu_devices=8
+
+Training needs exactly 8 devices: ``--cpu_devices=8`` splits a CPU host into 8;
+elsewhere, give a mesh for the devices there are, e.g. 2 islands of 2 on 4:
+``--config.mesh="{'data': 2, 'fsdp': 2}"``.
+``python -m replicator eval --workdir runs/lm_diloco`` evaluates the outer
+parameters on any number of devices, without flags.
 
 Smoke mode for tests: ``--config configs/lm_tiny_diloco.py:smoke``.
 """

@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
+from replicator import storage
 from replicator.per_replica import PerReplica, is_per_replica, mark_like
 from replicator.runtime import compat
 
@@ -67,7 +68,7 @@ class Checkpoints:
 
     Args:
       directory: where the step directories live (the trainer uses
-        ``WORKDIR/checkpoints``); created unless ``read_only``.
+        ``WORKDIR/checkpoints``), local or ``gs://``; created unless ``read_only``.
       repl: the `Replicator` whose mesh restored arrays are placed on.
       keep: how many of the latest checkpoints to keep; None keeps all.
       keep_best: additionally keep this many checkpoints with the best
@@ -114,7 +115,8 @@ class Checkpoints:
             raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}.")
         if keep_best and best_metric is None:
             raise ValueError("keep_best needs best_metric: the name of the metric that ranks.")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = storage.normalize(directory)  # a local path or a gs:// URL
+        storage.check_bucket(self.directory)  # a missing bucket: one line, not Orbax's retries
         self.repl = repl
         self.read_only = read_only
         self.restored_step: int | None = None
@@ -223,7 +225,13 @@ class Checkpoints:
         self._manager.check_for_errors()
         if self._keep_best:
             self._manager.reload()
-        if step in self._manager.all_steps() or self._step_path(step).exists():
+        listed = step in self._manager.all_steps()
+        if not listed and storage.is_remote(self.directory) and self._step_path(step).exists():
+            # In a bucket a save cut short leaves its objects (Orbax marks a finished one
+            # with commit_success.txt instead of renaming a temporary directory).
+            moved = self._move_aside(step, "unfinished")
+            log.info("An unfinished save of step %d was moved to %s.", step, moved)
+        elif listed or self._step_path(step).exists():
             moved = self._move_aside(step, "replaced")
             log.warning("Checkpoint step %d already existed; moved it to %s.", step, moved)
         self._json.pop(step, None)
@@ -330,12 +338,8 @@ class Checkpoints:
 
         The training process's best-N retention reads them at its next save.
         """
-        path = os.path.join(self.directory, str(step), "metrics")
-        os.makedirs(path, exist_ok=True)
-        tmp = os.path.join(path, ".metrics.tmp")
-        with open(tmp, "w") as f:
-            json.dump(metrics, f)
-        os.replace(tmp, os.path.join(path, "metrics"))
+        storage.write_text(storage.join(self.directory, str(step), "metrics", "metrics"),
+                           json.dumps(metrics))  # fmt: skip
 
     def _target(self, like: PyTree) -> PyTree:
         """``like`` as `jax.ShapeDtypeStruct`s with the shardings to restore onto."""
@@ -426,19 +430,18 @@ class Checkpoints:
         log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
 
     def _step_path(self, step: int) -> epath.Path:
-        return epath.Path(self.directory) / str(step)
+        return storage.path(self.directory) / str(step)
 
     def _move_aside(self, step: int, reason: str) -> str:
         """Moves step's directory to ``<directory>.<reason>/<step>`` (a fresh name if
         taken) on process 0, and forgets it, so that the step can be saved again."""
-        aside = epath.Path(f"{self.directory}.{reason}")
+        aside = storage.path(f"{self.directory}.{reason}")
         target, n = aside / str(step), 0
         if jax.process_index() == 0:
             while target.exists():
                 n += 1
                 target = aside / f"{step}.{n}"
-            aside.mkdir(parents=True, exist_ok=True)
-            self._step_path(step).rename(target)
+            storage.move(self._step_path(step), target)
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes(f"replicator_aside_{step}_{next(_BARRIERS)}")
         self._json.pop(step, None)

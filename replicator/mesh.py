@@ -39,16 +39,8 @@ def resolve_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict
     >>> resolve_axis_sizes({"data": -1, "tensor": 2}, 8)
     {'data': 4, 'fsdp': 1, 'tensor': 2}
     """
-    axes = dict({"data": -1} if axes is None else axes)
-    unknown = sorted(set(axes) - set(MESH_AXES))
-    if unknown:
-        raise ValueError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
-    for name, size in axes.items():
-        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(f"Mesh axis {name!r} has size {size!r}; use a positive int or -1.")
+    axes = _checked_axes(axes)
     free = [name for name, size in axes.items() if size == -1]
-    if len(free) > 1:
-        raise ValueError(f"Only one mesh axis may be -1, got {free} in {axes}.")
     fixed = math.prod(size for size in axes.values() if size != -1)
     if free:
         if num_devices % fixed:
@@ -64,6 +56,67 @@ def resolve_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict
             f"sizes multiply to {num_devices}, or set one axis to -1."
         )
     return {name: axes.get(name, 1) for name in MESH_AXES}
+
+
+def refit_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """The mesh ``axes`` asked for, fitted to ``num_devices`` devices however many they are.
+
+    For work whose result does not depend on the mesh, such as evaluating a
+    checkpoint: sizes that fit the devices (`resolve_axis_sizes`) are kept.
+    Otherwise one axis absorbs the difference: the axis given as ``-1``, or
+    ``data`` when none is. Each other axis shrinks only as far as it must, to the
+    largest size that divides both its own and the devices left for it (fitted
+    in the order ``fsdp``, ``tensor``, ``data``): a parameter dimension that
+    split evenly over it before still does.
+
+    Args:
+      axes: axis sizes as for `resolve_axis_sizes` (e.g. a training run's mesh).
+      num_devices: how many devices there are now.
+
+    Returns:
+      A dict with a size for each name in ``MESH_AXES``, in that order, whose
+      product is ``num_devices``.
+
+    >>> refit_axis_sizes({"data": 8}, 3)
+    {'data': 3, 'fsdp': 1, 'tensor': 1}
+    >>> refit_axis_sizes({"data": 4, "fsdp": 2}, 6)  # fsdp fits: kept
+    {'data': 3, 'fsdp': 2, 'tensor': 1}
+    >>> refit_axis_sizes({"data": 1, "fsdp": -1, "tensor": 2}, 3)  # -1 absorbs
+    {'data': 1, 'fsdp': 3, 'tensor': 1}
+    >>> refit_axis_sizes({"data": -1, "tensor": 2}, 8)  # fits as it is
+    {'data': 4, 'fsdp': 1, 'tensor': 2}
+    """
+    axes = _checked_axes(axes)
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r}; a mesh needs at least one device.")
+    free = [name for name, size in axes.items() if size == -1]
+    fixed = math.prod(size for size in axes.values() if size != -1)
+    if (num_devices % fixed == 0) if free else (fixed == num_devices):
+        return resolve_axis_sizes(axes, num_devices)
+    absorber = free[0] if free else "data"
+    sizes, left = {}, num_devices
+    for name in ("fsdp", "tensor", "data"):
+        if name != absorber:
+            sizes[name] = math.gcd(axes.get(name, 1), left)
+            left //= sizes[name]
+    sizes[absorber] = left
+    return {name: sizes[name] for name in MESH_AXES}
+
+
+def _checked_axes(axes: Mapping[str, int] | None) -> dict[str, int]:
+    """``axes`` as a dict (``None``: ``{"data": -1}``); raises for unknown names, sizes
+    that are neither positive nor -1, and more than one -1."""
+    axes = dict({"data": -1} if axes is None else axes)
+    unknown = sorted(set(axes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
+    for name, size in axes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"Mesh axis {name!r} has size {size!r}; use a positive int or -1.")
+    free = [name for name, size in axes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"Only one mesh axis may be -1, got {free} in {axes}.")
+    return axes
 
 
 def build_mesh(

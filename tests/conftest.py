@@ -34,3 +34,26 @@ def digits_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("tfds"))
     data.load_data_source("digits", "train", data_dir=path)  # builds both splits
     return path
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A real GCS JSON API server (gcp-storage-emulator) on 127.0.0.1 for the session.
+
+    The client libraries reach it through their own variables only, set here for
+    this process and every subprocess a test starts: ``STORAGE_EMULATOR_HOST``
+    (google-cloud-storage, gcsfs) and ``TENSORSTORE_GCS_HTTP_URL`` with
+    ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` (tensorstore, Orbax's array writer).
+    """
+    from tests import gcs
+
+    with gcs.emulator() as url:
+        yield url
+
+
+@pytest.fixture
+def bucket(gcs_server) -> str:
+    """A fresh, empty bucket on the session's GCS server: ``gs://NAME``."""
+    from tests import gcs
+
+    return gcs.new_bucket()

@@ -194,66 +194,6 @@ def test_slurm_is_detected_through_jax(monkeypatch):
     assert detect_process_group() == ProcessGroup(f"node1:{port}", 4, 2, "SlurmCluster")
 
 
-def test_tpu_dry_run_prints_the_commands():
-    done = run(
-        replicator_cmd(
-            "launch",
-            "tpu",
-            "--tpu",
-            "my-pod",
-            "--zone",
-            "us-east5-a",
-            "--project",
-            "proj",
-            "--dry-run",
-            "--",
-            "train",
-            "--config",
-            "configs/digits_cnn.py",
-            "--workdir",
-            "gs://bucket/run",
-        )
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
-    assert lines[0].startswith("gcloud compute tpus tpu-vm scp --recurse --worker=all")
-    assert "--worker=all" in lines[2] and "ssh my-pod" in lines[2]
-    assert "--zone us-east5-a --project proj" in lines[2]
-    assert (
-        "-m replicator train --config configs/digits_cnn.py --workdir gs://bucket/run" in lines[2]
-    )
-
-
-def test_slurm_dry_run_prints_the_script():
-    done = run(
-        replicator_cmd(
-            "launch",
-            "slurm",
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "8",
-            "--dry-run",
-            "--",
-            "train",
-            "--config",
-            "configs/digits_cnn.py",
-            "--workdir",
-            "runs/x",
-        )
-    )
-    assert done.returncode == 0, done.stderr
-    script = done.stdout
-    for line in (
-        "#SBATCH --nodes=2",
-        "#SBATCH --ntasks-per-node=8",
-        "#SBATCH --gpus-per-node=8",
-        "#SBATCH --signal=TERM@120",
-    ):
-        assert line in script
-    assert "srun --kill-on-bad-exit=1 .venv/bin/python -m replicator train --config" in script
-
-
 def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_dir):
     args = [
         "--",
@@ -409,22 +349,6 @@ def test_resolve_command():
     assert launch.resolve_command(["python3", "-m", "mypkg"], "py") == ["py", "-m", "mypkg"]
     with pytest.raises(ValueError, match="No command to launch"):
         launch.resolve_command([], "py")
-
-
-def test_dry_runs_run_a_python_script(capsys):
-    script = ["--", "python", "my_script.py", "--out", "gs://bucket/x y"]
-    assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "8", "--dry-run", *script]) == 0
-    sbatch = capsys.readouterr().out
-    assert "srun --kill-on-bad-exit=1 .venv/bin/python my_script.py --out 'gs://bucket/x y'\n" in (
-        sbatch
-    )
-    assert "-m replicator" not in sbatch
-    tpu = ["tpu", "--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run", *script]
-    assert launch.main(tpu) == 0
-    run_line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert run_line.startswith("gcloud compute tpus tpu-vm ssh my-pod --worker=all")
-    assert "cd ~/replicator && .venv/bin/python my_script.py --out" in run_line
-    assert "-m replicator" not in run_line
 
 
 def test_initialize_is_a_no_op_for_one_process(monkeypatch):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+import io
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +36,7 @@ from flax import struct
 import replicator as rp
 from experiments.gan.model import SPECTRAL, Discriminator, Generator
 from experiments.gan.score import fit_digits_classifier, score_sums, summarize_scores, to_unit_range
+from replicator import storage
 from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("fid", "classifier_score")
@@ -212,9 +213,12 @@ def make_sample_writer(generator: Any, config: GANConfig, seed: int):
         g_state = eval_state["generator"]
         variables = _local_copy({"params": g_state.params, **g_state.model_state})
         samples = np.asarray(sample(variables, latents))
-        path = os.path.join(workdir, "samples", f"step_{step}.png")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        matplotlib.image.imsave(path, tile_images(samples), cmap="gray", vmin=0, vmax=1)
+        path = storage.join(workdir, "samples", f"step_{step}.png")
+        png = io.BytesIO()
+        matplotlib.image.imsave(
+            png, tile_images(samples), cmap="gray", vmin=0, vmax=1, format="png"
+        )
+        storage.write_bytes(path, png.getvalue())  # local or gs://
         return path
 
     return write_sample_grid

@@ -2,9 +2,11 @@
 
 ``python -m replicator launch local --processes 2 --devices-per-process 4 -- COMMAND``
 starts the processes on 127.0.0.1 with fake CPU devices and gloo collectives:
-the code path of a real pod, on one machine. ``launch tpu`` and ``launch slurm``
-run (or, with ``--dry-run``, print) the commands for real clusters; there JAX's
-own cluster detection gives each process its id and the coordinator.
+the code path of a real pod, on one machine. ``launch tpu`` ships the project to
+every worker of a Cloud TPU pod and starts the command there, detached
+(`replicator.runtime.tpu`); ``launch slurm`` submits an sbatch job. Both print
+their commands (``--dry-run``: only print them); there JAX's own cluster
+detection gives each process its id and the coordinator.
 
 COMMAND is a replicator subcommand (``train ...``, ``eval ...``, ``plot ...``),
 run as ``python -m replicator train ...``, or any command, e.g. ``python
@@ -26,7 +28,10 @@ import threading
 import time
 from collections.abc import Sequence
 
+from replicator.runtime import tpu
 from replicator.runtime.processes import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+USAGE_ERROR = 2  # the exit status of a launch that cannot go ahead, as the CLI's
 
 # First words that mean ``python -m replicator <word>`` (the CLI's subcommands).
 REPLICATOR_COMMANDS = ("train", "eval", "plot")
@@ -223,33 +228,6 @@ def _prefix_lines(stream, prefix: str) -> None:
         sys.stdout.flush()
 
 
-def tpu_commands(
-    command: Sequence[str],
-    *,
-    tpu: str,
-    zone: str,
-    project: str | None = None,
-    repo_dir: str = "~/replicator",
-) -> list[list[str]]:
-    """The gcloud commands that copy the repository to every TPU VM worker,
-    install it, and run ``command`` (see `resolve_command`; Python is the
-    repository's ``.venv/bin/python``) in it on all of them at once.
-
-    JAX finds the workers, their ids and the coordinator on the TPU VMs itself.
-    Use a ``gs://`` workdir so that every worker writes checkpoints to the same
-    place (Orbax writes to buckets through tensorstore).
-    """
-    base = ["gcloud", "compute", "tpus", "tpu-vm"]
-    where = ["--zone", zone, *(["--project", project] if project else [])]
-    remote = f"cd {repo_dir} && {shlex.join(resolve_command(command, '.venv/bin/python'))}"
-    setup = f"cd {repo_dir} && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
-    return [
-        [*base, "scp", "--recurse", "--worker=all", *where, ".", f"{tpu}:{repo_dir}"],
-        [*base, "ssh", tpu, "--worker=all", *where, "--command", setup],
-        [*base, "ssh", tpu, "--worker=all", *where, "--command", remote],
-    ]
-
-
 def slurm_script(
     command: Sequence[str],
     *,
@@ -289,7 +267,8 @@ COMMAND after -- is what every process runs:
   python SCRIPT ARGS      any Python program, e.g. a custom loop that calls
                           rp.initialize() first; `python`/`python3` become this
                           interpreter locally (sys.executable, so the virtualenv
-                          is used) and .venv/bin/python on TPU VMs and SLURM
+                          is used), the bundle's virtualenv on TPU VMs and
+                          .venv/bin/python under SLURM
   ANY OTHER COMMAND       run as given
 
 examples:
@@ -297,16 +276,150 @@ examples:
       train --config configs/digits_cnn.py --workdir runs/digits_2x4
   python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
       python my_script.py ARGS
+  python -m replicator launch tpu --tpu my-pod --zone us-central2-b -- \\
+      train --config my_config.py --workdir gs://my-bucket/runs/a
   python -m replicator launch slurm --nodes 2 --gpus-per-node 8 --dry-run -- \\
       python my_script.py ARGS
 """
 
+_TPU_HELP = f"""\
+what it does, each gcloud command printed first (--dry-run: printed only):
+  1. copies one tarball, named by its content hash, to every worker: the
+     project's files (git ls-files of the checkout replicator is imported from;
+     never .venv, runs/ or data) and the Python files COMMAND names (--config
+     FILE, python SCRIPT) with the Python files beside them, at their paths
+     relative to this directory, where COMMAND runs
+  2. unpacks it into ~/.replicator/bundles/HASH and installs the project with
+     its tpu extra in a uv virtualenv with Python {tpu.DEFAULT_PYTHON} (--python; once per
+     bundle: a rerun of the same files installs nothing)
+  3. frees the TPU and starts COMMAND detached on every worker, under
+     `python -m replicator.runtime.worker`: it outlives the ssh session; its
+     output goes to ~/.replicator/job/worker.log on each worker, mirrored to
+     WORKDIR/launch/worker-N.log (--log-dir)
+
+follow and stop the job (with the same --tpu, --zone, --project, --slices):
+  launch tpu --tpu NAME --zone ZONE --logs [--worker N] [--slice S]
+      tail -F the log of worker N (of slice S)
+  launch tpu --tpu NAME --zone ZONE --stop [--grace SECONDS]
+      SIGTERM to the job on every worker (train saves a checkpoint and exits),
+      SIGKILL after --grace seconds; then frees the TPU
+
+Use a gs:// --workdir: the workers share no disk. With --restarts N each
+worker runs a failed command again, up to N times; train resumes from its
+last checkpoint. A pod that was preempted or recreated has lost its job:
+launch the same command again, and train resumes from the checkpoints in the
+bucket.
+
+--slices N (a multislice queued resource, named by --tpu) runs the commands
+through `gcloud compute tpus queued-resources ssh|scp --worker=all --node=all`,
+and a train command gets --config.dcn_mesh='{{"data": N}}' (data parallel across
+slices, the config's mesh within each) unless it sets --config.dcn_mesh (a
+dcn_mesh set in the config file is replaced: give it on the command line).
+"""
+
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m replicator launch {local,tpu,slurm} [options] -- COMMAND...``."""
+    """``python -m replicator launch {local,tpu,slurm} [options] -- COMMAND...``.
+
+    Returns:
+      The exit status: the run's for ``local``; 2 after a one-line ``error: ...``
+      for a launch that cannot go ahead (no gcloud, no gcloud account, no sbatch).
+    """
     argv = list(argv)
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     options = argv[: argv.index("--")] if "--" in argv else argv
+    parser = _parser()
+    args = parser.parse_args(options)
+    follow_or_stop = args.where == "tpu" and (args.logs or args.stop)
+    if follow_or_stop and command:
+        parser.error("--logs and --stop take no command")
+    if not command and not follow_or_stop:
+        parser.error(
+            "give the command after --, e.g. -- train --config FILE ... or -- python "
+            "my_script.py ARGS"
+        )
+    if args.where == "local":
+        try:
+            return launch_local(
+                command,
+                processes=args.processes,
+                devices_per_process=args.devices_per_process,
+                elastic=args.elastic,
+                restarts=args.restarts,
+            )
+        except FileNotFoundError as e:
+            parser.error(str(e))
+    if args.where == "slurm":
+        return _launch_slurm(args, command)
+    if args.slices < 1:
+        parser.error(f"--slices must be 1 or more, not {args.slices}")
+    try:
+        return _launch_tpu(args, command)
+    except tpu.LaunchError as e:
+        return _error(str(e))
+    except KeyboardInterrupt:  # Ctrl-C ends following a log, or the launch: not the job
+        return 130
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return USAGE_ERROR
+
+
+def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
+    pod = tpu.Pod(args.tpu, args.zone, args.project, args.slices, args.internal_ip)
+    if not (args.logs or args.stop):
+        tpu.launch(
+            command,
+            pod,
+            python=args.python,
+            restarts=args.restarts,
+            log_dir=args.log_dir,
+            dry_run=args.dry_run,
+        )
+        if not args.dry_run:
+            again = f"python -m replicator launch tpu {shlex.join(_pod_options(pod))}"
+            print(f"# follow: {again} --logs\n# stop:   {again} --stop", flush=True)
+        return 0
+    if not args.dry_run:
+        tpu.check_gcloud()
+    if args.logs:
+        gcloud = tpu.logs_command(pod, args.worker, args.slice)
+    else:
+        gcloud = tpu.stop_command(pod, args.grace)
+    print(shlex.join(gcloud), flush=True)
+    return 0 if args.dry_run else subprocess.run(gcloud, check=False).returncode
+
+
+def _pod_options(pod: tpu.Pod) -> list[str]:
+    options = ["--tpu", pod.name, "--zone", pod.zone]
+    options += ["--project", pod.project] if pod.project else []
+    options += ["--slices", str(pod.slices)] if pod.slices > 1 else []
+    return options + (["--internal-ip"] if pod.internal_ip else [])
+
+
+def _launch_slurm(args: argparse.Namespace, command: list[str]) -> int:
+    script = slurm_script(
+        command,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        process_per_gpu=not args.process_per_node,
+    )
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        return _error(
+            "launch slurm needs sbatch, and there is no sbatch on PATH: run it on a SLURM "
+            "login node (--dry-run prints the script)."
+        )
+    with open("replicator.sbatch", "w") as f:
+        f.write(script)
+    print("wrote replicator.sbatch", flush=True)
+    return subprocess.run(["sbatch", "replicator.sbatch"], check=False).returncode
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m replicator launch",
         usage="%(prog)s {local,tpu,slurm} [options] -- COMMAND [ARGS ...]",
@@ -316,17 +429,37 @@ def main(argv: Sequence[str]) -> int:
     )
     sub = parser.add_subparsers(dest="where", required=True)
 
-    def add_parser(name: str, help: str) -> argparse.ArgumentParser:
+    def add_parser(name: str, help: str, usage: str, epilog: str) -> argparse.ArgumentParser:
         return sub.add_parser(
             name,
             help=help,
             prog=f"python -m replicator launch {name}",
-            usage="%(prog)s [options] -- COMMAND [ARGS ...]",
-            epilog=_COMMAND_HELP,
+            usage=usage,
+            epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
-    local = add_parser("local", "several processes on this machine (127.0.0.1)")
+    usage = "%(prog)s [options] -- COMMAND [ARGS ...]"
+    local = add_parser("local", "processes on this machine (127.0.0.1)", usage, _COMMAND_HELP)
+    _add_local_options(local)
+    tpu_usage = (
+        "%(prog)s --tpu NAME --zone ZONE [options] -- COMMAND [ARGS ...]\n"
+        "       %(prog)s --tpu NAME --zone ZONE [options] --logs [--worker N] [--slice S]\n"
+        "       %(prog)s --tpu NAME --zone ZONE [options] --stop [--grace SECONDS]"
+    )
+    tpu_parser = add_parser(
+        "tpu",
+        "every worker of a Cloud TPU VM pod (or of every slice of a queued resource)",
+        tpu_usage,
+        _TPU_HELP + "\n" + _COMMAND_HELP,
+    )
+    _add_tpu_options(tpu_parser)
+    slurm = add_parser("slurm", "an sbatch job", usage, _COMMAND_HELP)
+    _add_slurm_options(slurm)
+    return parser
+
+
+def _add_local_options(local: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--processes", type=int, required=True, help="processes to start on this machine"
     )
@@ -344,12 +477,71 @@ def main(argv: Sequence[str]) -> int:
         action="store_true",
         help="a process (not 0) killed by a signal does not stop the others (DiLoCo islands)",
     )
-    tpu = add_parser("tpu", "every worker of a Cloud TPU VM pod")
-    tpu.add_argument("--tpu", required=True, help="the TPU VM's name")
-    tpu.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
-    tpu.add_argument("--project", help="its Google Cloud project (default: gcloud's)")
-    tpu.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    slurm = add_parser("slurm", "an sbatch job")
+
+
+def _add_tpu_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tpu",
+        required=True,
+        metavar="NAME",
+        help="the TPU VM's name (with --slices: the queued resource's)",
+    )
+    parser.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
+    parser.add_argument("--project", help="its Google Cloud project (default: gcloud's)")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="slices of a multislice queued resource (default 1: a TPU VM)",
+    )
+    parser.add_argument(
+        "--internal-ip", action="store_true", help="reach the workers by their internal IPs"
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each worker runs a failed command again, from the last checkpoint, up to N times",
+    )
+    parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="mirror each worker's log to DIR/worker-N.log, local to the worker or gs:// "
+        "(default: WORKDIR/launch when COMMAND has --workdir)",
+    )
+    parser.add_argument(
+        "--python",
+        default=tpu.DEFAULT_PYTHON,
+        metavar="X.Y",
+        help="the workers' Python version (default: this one's, %(default)s)",
+    )
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument(
+        "--logs", action="store_true", help="follow a worker's log instead of starting a job"
+    )
+    action.add_argument(
+        "--stop",
+        action="store_true",
+        help="stop the job on every worker (SIGTERM: a checkpoint; SIGKILL after --grace) "
+        "and free the TPU",
+    )
+    parser.add_argument("--worker", default="0", metavar="N", help="--logs: the worker (0)")
+    parser.add_argument(
+        "--slice", default="0", metavar="S", help="--logs with --slices: the slice (0)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=int,
+        default=300,
+        metavar="SECONDS",
+        help="--stop: the time to save a checkpoint before SIGKILL (300)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+
+
+def _add_slurm_options(slurm: argparse.ArgumentParser) -> None:
     slurm.add_argument("--nodes", type=int, required=True, help="nodes of the job")
     slurm.add_argument(
         "--gpus-per-node", type=int, required=True, help="GPUs of each node the job uses"
@@ -362,40 +554,3 @@ def main(argv: Sequence[str]) -> int:
     slurm.add_argument(
         "--dry-run", action="store_true", help="print the sbatch script, submit nothing"
     )
-    args = parser.parse_args(options)
-    if not command:
-        parser.error(
-            "give the command after --, e.g. -- train --config FILE ... or -- python "
-            "my_script.py ARGS"
-        )
-    if args.where == "local":
-        try:
-            return launch_local(
-                command,
-                processes=args.processes,
-                devices_per_process=args.devices_per_process,
-                elastic=args.elastic,
-                restarts=args.restarts,
-            )
-        except FileNotFoundError as e:
-            parser.error(str(e))
-    if args.where == "tpu":
-        commands = tpu_commands(command, tpu=args.tpu, zone=args.zone, project=args.project)
-        for cmd in commands:
-            print(shlex.join(cmd), flush=True)
-            if not args.dry_run:
-                subprocess.run(cmd, check=True)
-        return 0
-    script = slurm_script(
-        command,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        process_per_gpu=not args.process_per_node,
-    )
-    if args.dry_run:
-        print(script, end="")
-        return 0
-    with open("replicator.sbatch", "w") as f:
-        f.write(script)
-    print("wrote replicator.sbatch", flush=True)
-    return subprocess.run(["sbatch", "replicator.sbatch"], check=False).returncode

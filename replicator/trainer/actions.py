@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from replicator import storage
 from replicator.trainer.preemption import Preempted
 
 log = logging.getLogger("replicator")
@@ -105,7 +105,7 @@ class WatchNonfinite:
     """
 
     def __init__(self, workdir: str, policy: str, loss_scaling: bool, summarize: Callable):
-        self._dir = os.path.join(workdir, "nonfinite")
+        self._dir = storage.join(workdir, "nonfinite")
         self._policy, self._loss_scaling, self._summarize = policy, loss_scaling, summarize
         self._held: StepEnd | None = None
 
@@ -138,10 +138,8 @@ class WatchNonfinite:
             record["example_indices"] = np.concatenate(
                 [np.asarray(s.data) for s in shards]
             ).tolist()
-        os.makedirs(self._dir, exist_ok=True)
-        path = os.path.join(self._dir, f"step_{end.step}.process_{jax.process_index()}.json")
-        with open(path, "w") as f:
-            json.dump(record, f, default=str)
+        path = storage.join(self._dir, f"step_{end.step}.process_{jax.process_index()}.json")
+        storage.write_text(path, json.dumps(record, default=str))
         if self._policy == "halt":
             raise FloatingPointError(
                 f"Non-finite loss or gradients at step {end.step} ({metrics}); the update was "

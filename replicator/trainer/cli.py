@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
+from replicator import storage
 from replicator.trainer.console import Console
 
 FLAGS = flags.FLAGS
@@ -138,7 +139,7 @@ def run(argv: Sequence[str] | None = None) -> None:
             print(_command_help(command))
             sys.exit(0)
         _check_config_file(argv)
-    except (UsageError, ValueError) as e:  # ValueError: the run's config.json (ConfigError)
+    except (UsageError, ValueError, OSError) as e:  # the run's config.json, its bucket
         if not _is_user_error(e):
             raise
         _exit_with(e, debug=_debug_requested(argv))
@@ -164,8 +165,10 @@ def main_or_exit(argv: list[str]) -> None:
     console = Console(verbose=_VERBOSE.value or argv[1] == "plot")
     try:
         main(argv, console)
+        console.close()
         return
     except SystemExit:
+        console.close()
         raise
     except KeyboardInterrupt as e:  # before the training loop (which saves and stops)
         console.report(e, summary="interrupted")
@@ -177,6 +180,10 @@ def main_or_exit(argv: list[str]) -> None:
         code = USAGE_ERROR if user_error else 1
         if user_error:
             console.discard_new_workdir()
+    try:
+        console.close()  # a log in a bucket is uploaded before the process ends
+    except OSError as e:
+        console.err.write(f"warning: the log could not be uploaded: {e}\n")
     if _process_count() > 1:
         os._exit(code)
     sys.exit(code)
@@ -208,7 +215,9 @@ def main(argv: list[str], console: Console) -> None:
     from replicator.trainer import config as config_lib
 
     workdir = _WORKDIR.value
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    if storage.is_remote(workdir):  # a missing bucket or no answer: one line, before anything
+        storage.check_writable(workdir) if command == "train" else storage.check_bucket(workdir)
+    elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
     config = _config_for(command, workdir)
     validated = config_lib.validate(config)  # every mistake in it, before anything is written
@@ -260,7 +269,7 @@ def _plot(argv: list[str]) -> None:
     workdir = argv[2] if len(argv) == 3 else _WORKDIR.value
     if workdir is None or len(argv) > 3:
         raise UsageError(f"usage: python -m replicator {_SYNOPSIS['plot']}")
-    if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+    if not storage.isfile(storage.join(workdir, "metrics.jsonl")):
         raise UsageError(f"{workdir} has no metrics.jsonl to plot")
     for path in plot_metrics(workdir):
         print(path)
@@ -317,6 +326,7 @@ def _use_the_runs_config(argv: list[str]) -> None:
         return
     from replicator.trainer.evaluator import run_config
 
+    storage.check_bucket(workdir)  # "no such bucket" rather than "no config.json"
     saved = run_config(workdir)
     if saved is None:
         if any(arg in _HELP for arg in argv):
@@ -367,7 +377,7 @@ def _check_workdir(config, workdir: str) -> None:
 
 
 def _saved_path(workdir: str) -> str:
-    return os.path.join(workdir, "config.json")
+    return storage.join(workdir, "config.json")
 
 
 def _overrides_text() -> str:
@@ -490,7 +500,7 @@ def _is_user_error(error: BaseException) -> bool:
     from replicator.checkpoint import CheckpointMismatchError, CorruptCheckpointError
     from replicator.trainer.config import ConfigError
 
-    input_errors = (UsageError, app.UsageError, flags.Error, ConfigError)
+    input_errors = (UsageError, app.UsageError, flags.Error, ConfigError, storage.StorageError)
     if isinstance(error, (*input_errors, CheckpointMismatchError, CorruptCheckpointError)):
         return True
     if isinstance(error, (ValueError, FileNotFoundError)):

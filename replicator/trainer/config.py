@@ -21,6 +21,8 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from replicator import storage
+
 _REQUIRED = object()
 
 
@@ -267,12 +269,13 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
 
 def read_saved(workdir: str) -> dict | None:
     """The config a run in ``workdir`` saved (``config.json``), or None if there is none."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        return None
+    path = storage.join(workdir, "config.json")
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = json.loads(storage.read_text(path))
+    except FileNotFoundError:
+        return None
+    except storage.StorageError:
+        raise
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not text at all
         raise ConfigError(
             f"{path} cannot be read as a run's config ({type(e).__name__}: {e}); restore it "
@@ -289,15 +292,12 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 
 def write_json(config: ml_collections.ConfigDict, path: str) -> None:
-    """Writes `to_json` to ``path`` on process 0, atomically."""
+    """Writes `to_json` to ``path`` (local or a bucket) on process 0, atomically."""
     import jax
 
     if jax.process_index() != 0:
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(to_json(config))
-    os.replace(tmp, path)
+    storage.write_text(path, to_json(config))
 
 
 def config_differences(

@@ -18,6 +18,8 @@ import warnings
 
 from absl import logging as absl_logging
 
+from replicator import storage
+
 
 class Console:
     """Routes output for one command: replicator's to the terminal, the rest to a log.
@@ -35,6 +37,7 @@ class Console:
     def __init__(self, verbose: bool):
         self.out, self.err = sys.stdout, sys.stderr
         self._log = None
+        self._mirror: storage.Mirror | None = None  # the log's copy in a bucket
         self._created: str | None = None  # a workdir that log_to made
         handler = logging.StreamHandler(self.err)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -70,16 +73,23 @@ class Console:
         """Moves the log to ``WORKDIR/log.txt`` (``log.process_<i>.txt`` on process i > 0),
         appending, with what was logged so far; only into an existing workdir unless
         ``create``."""
-        if self._log is None or not (create or os.path.isdir(workdir)):
+        if self._log is None or not (create or storage.isdir(workdir)):
             return
         name = "log.txt" if process_index == 0 else f"log.process_{process_index}.txt"
         try:
-            try:
-                os.makedirs(workdir)
-                self._created = workdir
-            except FileExistsError:  # there already, or another process made it just now
-                pass
-            log = open(os.path.join(workdir, name), "a", buffering=1, errors="replace")
+            if storage.is_remote(workdir):  # no append in a bucket: a mirrored local copy
+                if not storage.listdir(workdir):
+                    self._created = workdir
+                self._mirror = storage.Mirror(storage.join(workdir, name))
+                path = self._mirror.local_path
+            else:
+                try:
+                    os.makedirs(workdir)
+                    self._created = workdir
+                except FileExistsError:  # there already, or another process made it just now
+                    pass
+                path = os.path.join(workdir, name)
+            log = open(path, "a", buffering=1, errors="replace")
         except OSError as e:
             logging.getLogger("replicator").warning("Cannot write a log in %s: %s", workdir, e)
             return
@@ -99,16 +109,35 @@ class Console:
         if self._created is None or self._log is None:
             return
         own = os.path.basename(self._log.name)
+        if self._mirror is not None:
+            try:
+                if storage.listdir(self._created) in ([], [own]):
+                    self._restore_terminal()
+                    self._mirror.discard()
+            except OSError:  # the bucket is gone or silent: nothing more to tidy
+                pass
+            return
         try:
             if os.listdir(self._created) == [own]:
-                os.dup2(self.err.fileno(), 2)  # the log is going: C++ output to the terminal
-                os.dup2(self.out.fileno(), 1)
-                self._log.close()
-                self._log = None
+                self._restore_terminal()
                 os.remove(os.path.join(self._created, own))
                 os.rmdir(self._created)
         except OSError:  # another process wrote there meanwhile: keep it
             pass
+
+    def _restore_terminal(self) -> None:
+        """The log is going: C++ output back to the terminal."""
+        os.dup2(self.err.fileno(), 2)
+        os.dup2(self.out.fileno(), 1)
+        self._log.close()
+        self._log = None
+
+    def close(self) -> None:
+        """Puts the log in the workdir's bucket, if it is in one (local logs need nothing)."""
+        if self._mirror is not None:
+            if self._log is not None:
+                self._log.flush()
+            self._mirror.close()
 
     def _redirect(self) -> None:
         os.dup2(self._log.fileno(), 1)  # stdout and stderr, C++ included, into the log

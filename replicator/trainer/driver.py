@@ -10,12 +10,12 @@ reduced across replicas -> `actions` (log, evaluate, save) -> writers.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import jax
 import ml_collections
 
+from replicator import storage
 from replicator.checkpoint import Checkpoints
 from replicator.trainer import actions as act
 from replicator.trainer import config as config_lib
@@ -67,9 +67,11 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
     train_iter = run.train_iterator()
-    os.makedirs(workdir, exist_ok=True)
+    workdir = storage.normalize(workdir)
+    storage.check_writable(workdir)
+    storage.makedirs(workdir)
     checkpoints = Checkpoints(
-        os.path.join(workdir, "checkpoints"),
+        storage.join(workdir, "checkpoints"),
         repl,
         keep=config.keep_checkpoints,
         keep_best=config.keep_best_checkpoints,
@@ -77,14 +79,13 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
         best_mode=config.best_mode,
     )
     state, start = _restore_or_init(run, checkpoints, train_iter, strict)
-    earlier = os.path.join(workdir, "metrics.jsonl")
-    if start == 0 and os.path.exists(earlier) and os.path.getsize(earlier):
+    if start == 0 and storage.exists(storage.join(workdir, "metrics.jsonl")):
         log.info(
             "No complete checkpoint in %s: training from step 0 (the earlier attempt's "
             "records are replaced)",
             checkpoints.directory,
         )
-    config_lib.write_json(config, os.path.join(workdir, "config.json"))
+    config_lib.write_json(config, storage.join(workdir, "config.json"))
     batches = repl.distribute(train_iter)
     writer = MetricWriter(workdir, resume_step=start)
     progress = ProgressBar(config.num_train_steps, start, enabled=False if quiet else None)
@@ -120,8 +121,11 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
             closing.close()
         with watch.time("checkpoint"):
             checkpoints.close()  # waits for the last save
-        writer.write(step, summarize_run(run, watch, state, end, start, completed=completed),
-                     split="summary")  # fmt: skip
+        summary = summarize_run(run, watch, state, end, start, completed=completed)
+        # The step loop's share of writing records; uploads to a bucket run beside it.
+        summary["metric_writes_s"] = round(writer.write_seconds, 4)
+        summary["metric_uploads_s"] = round(writer.upload_seconds, 4)
+        writer.write(step, summary, split="summary")
         writer.close()
     return end.eval_result
 
@@ -145,6 +149,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
 
     def save(end: act.StepEnd) -> None:
         with watch.time("checkpoint"):
+            writer.sync()  # the records up to this step are in the bucket before it is
             ranked = {k: v for k, v in (end.eval_result or {}).items() if k == config.best_metric}
             checkpoints.save(
                 end.step,
@@ -162,7 +167,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     guard = act.WatchNonfinite(
         workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize
     )
-    profile = act.Profile(os.path.join(workdir, "profile"), config.profile_steps)
+    profile = act.Profile(storage.join(workdir, "profile"), config.profile_steps)
     stop = act.Stop(checkpoints, preemption, flush=lambda: (guard.close(), log_train.close()))
     return _Actions(
         [

@@ -8,7 +8,6 @@ over real examples, and the sums are added up on the devices and fetched once.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from replicator import storage
 from replicator.checkpoint import Checkpoints, CorruptCheckpointError
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
@@ -79,13 +79,13 @@ class Evaluator:
             config = run_config(workdir)
             if config is None:
                 raise FileNotFoundError(
-                    f"{os.path.join(workdir, 'config.json')} does not exist; pass the "
+                    f"{storage.join(workdir, 'config.json')} does not exist; pass the "
                     "training config."
                 )
         self.run = setup(config, devices=devices, training=False)
         self.config = self.run.config
         self.checkpoints = Checkpoints(
-            os.path.join(workdir, "checkpoints"), self.run.repl, read_only=True
+            storage.join(workdir, "checkpoints"), self.run.repl, read_only=True
         )
         abstract = self.run.abstract_state
         if sync_policy(self.config) is None:
@@ -175,16 +175,20 @@ def follow(
 ) -> list[dict[str, Any]]:
     """A sidecar evaluator: evaluates every new checkpoint in ``workdir`` as it appears.
 
-    ``config`` is as for `evaluate`. Results go to ``metrics.jsonl``
-    (``"sidecar": true``) and are attached to the checkpoint, where the training
-    run's best-N retention finds them. Stops after the checkpoint of the final
+    ``config`` is as for `evaluate`. Results go to ``metrics.jsonl`` (for a
+    ``gs://`` workdir ``metrics.sidecar.jsonl``: objects cannot be appended to)
+    with ``"sidecar": true``, and are attached to the checkpoint, where the
+    training run's best-N retention finds them. Stops after the checkpoint of the final
     step, or when no new checkpoint came for ``timeout_s`` seconds.
 
     Returns:
       The eval records, oldest first.
     """
     evaluator = Evaluator(config, workdir, devices=devices)
-    writer = MetricWriter(workdir, resume_step=None)
+    # Locally both processes append to metrics.jsonl; a bucket's objects are written
+    # whole, so there the sidecar keeps its own file rather than overwrite training's.
+    name = "metrics.sidecar.jsonl" if storage.is_remote(workdir) else "metrics.jsonl"
+    writer = MetricWriter(workdir, resume_step=None, name=name)
     results, last = [], None
     try:
         while last is None or last < evaluator.config.num_train_steps:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
-import os
+
+from replicator import storage
 
 _NOT_PLOTTED = {"step", "split", "num_examples", "sidecar", "steps"}
 
@@ -15,7 +17,7 @@ def plot_metrics(workdir: str) -> list[str]:
     accuracy, perplexity, examples_per_sec, ...), whatever the experiment.
 
     Args:
-      workdir: a run's directory.
+      workdir: a run's directory, local or ``gs://``.
 
     Returns:
       The paths of the PNG files written into ``WORKDIR/plots/``.
@@ -25,8 +27,8 @@ def plot_metrics(workdir: str) -> list[str]:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    text = storage.read_text(storage.join(workdir, "metrics.jsonl"))
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
     series: dict[str, dict[str, list]] = {}  # metric -> split -> [(step, value)]
     for r in records:
         split = r.get("split", "train")
@@ -35,7 +37,6 @@ def plot_metrics(workdir: str) -> list[str]:
         for key, value in r.items():
             if key not in _NOT_PLOTTED and isinstance(value, int | float):
                 series.setdefault(key, {}).setdefault(split, []).append((r["step"], value))
-    os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
     paths = []
     for key, splits in sorted(series.items()):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -45,9 +46,11 @@ def plot_metrics(workdir: str) -> list[str]:
         ax.set_ylabel(key.replace("_per_sec", " / s").replace("_", " "))
         ax.grid(alpha=0.3)
         ax.legend()
-        path = os.path.join(workdir, "plots", f"{key}.png")
+        path = storage.join(workdir, "plots", f"{key}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
         plt.close(fig)
+        storage.write_bytes(path, png.getvalue())
         paths.append(path)
     return paths

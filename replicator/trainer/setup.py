@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,12 +25,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from replicator import diloco, sharding
+from replicator import mesh as mesh_lib
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
 from replicator.trainer.config import ConfigError
 from replicator.trainer.experiment import Experiment, Settings
+
+log = logging.getLogger("replicator")
 
 # For programs that run once, like the state's initialisation, on CPU: XLA's
 # optimisations cost more than they save (the digits CNN's init compiles in 0.4 s
@@ -110,16 +115,23 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     """Validates ``config`` and builds the Replicator, experiment, steps and eval data.
 
     ``training=False`` (eval) skips the checks only training needs, such as the
-    train batch splitting over these devices.
+    train batch splitting over these devices, and fits the mesh to the devices
+    there are (`_eval_mesh`); training asks for exactly the config's mesh.
     """
     config = config_lib.validate(config)
     sync = sync_policy(config)
+    mesh = dict(config.mesh)
+    dcn_mesh = None if config.dcn_mesh is None else dict(config.dcn_mesh)
+    if training:
+        _check_mesh_fits(mesh, dcn_mesh, devices)
+    else:
+        mesh, dcn_mesh = _eval_mesh(mesh, dcn_mesh, devices)
     repl = Replicator(
         devices=devices,
-        mesh=dict(config.mesh),
+        mesh=mesh,
         precision=config.precision,
         rules=None if config.rules is None else [tuple(rule) for rule in config.rules],
-        dcn_mesh=None if config.dcn_mesh is None else dict(config.dcn_mesh),
+        dcn_mesh=dcn_mesh,
     )
     experiment = load_experiment(
         config.experiment,
@@ -174,6 +186,77 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
         init, [eval_source],
     )  # fmt: skip
+
+
+def _eval_mesh(
+    mesh: dict[str, int], dcn_mesh: dict[str, int] | None, devices=None
+) -> tuple[dict[str, int], dict[str, int] | None]:
+    """The mesh (and DCN mesh) to evaluate on: the run's where it fits these devices,
+    else refitted to them (`replicator.mesh.refit_axis_sizes`) with one line saying so.
+
+    Eval's numbers do not depend on the mesh (every example counts once), so a run
+    trained on 8 devices evaluates on 1 or 3 without flags. A multi-slice layout that
+    no longer fits the slices (or hosts) there are becomes one flat mesh of both.
+    """
+    num_devices = jax.device_count() if devices is None else len(devices)
+    saved = f"{mesh}" if dcn_mesh is None else f"{mesh} per slice x {dcn_mesh} across slices"
+    if dcn_mesh is not None:
+        try:
+            mesh_lib.hybrid_mesh_devices(mesh, dcn_mesh, devices)
+            return mesh, dcn_mesh
+        except ValueError:
+            mesh = _flat_axes(mesh, dcn_mesh)
+    elif _fits(mesh, num_devices):
+        return mesh, None
+    fitted = mesh_lib.refit_axis_sizes(mesh, num_devices)
+    plural = "s" if num_devices > 1 else ""
+    log.info(
+        "eval on mesh %s (saved: %s; refitted to %d device%s)", fitted, saved, num_devices, plural
+    )
+    return fitted, None
+
+
+def _flat_axes(mesh: dict[str, int], dcn_mesh: dict[str, int]) -> dict[str, int]:
+    """The axis sizes of ``mesh`` within slices times ``dcn_mesh`` across them; a -1
+    within slices stays the one -1 (a -1 across them then counts as 1)."""
+    free_within = -1 in mesh.values()
+    flat = {}
+    for name in mesh_lib.MESH_AXES:
+        within, across = mesh.get(name, 1), dcn_mesh.get(name, 1)
+        if within == -1 or (across == -1 and not free_within):
+            flat[name] = -1
+        else:
+            flat[name] = within * abs(across)
+    return flat
+
+
+def _check_mesh_fits(mesh: dict[str, int], dcn_mesh: dict[str, int] | None, devices) -> None:
+    """A train run gets exactly its mesh: one that does not fit the devices is one line
+    naming what to pass instead (an invalid or multi-slice mesh fails in build_mesh)."""
+    num_devices = jax.device_count() if devices is None else len(devices)
+    if dcn_mesh is not None or _fits(mesh, num_devices):
+        return
+    try:
+        fitted = mesh_lib.refit_axis_sizes(mesh, num_devices)
+    except ValueError:
+        return  # not a mesh at all: build_mesh names the mistake
+    needed = math.prod(size for size in mesh.values() if size != -1)
+    cpu = (jax.devices() if devices is None else devices)[0].platform == "cpu"
+    where = f" (--cpu_devices={needed} on a CPU host)" if cpu else ""
+    raise ConfigError(
+        f"config.mesh={mesh} needs {'a multiple of ' if -1 in mesh.values() else ''}"
+        f"{needed} devices but {num_devices} are available. Training uses exactly its "
+        f"mesh: train on {needed} devices{where}, or pass a mesh for these, e.g. "
+        f'--config.mesh="{fitted}".'
+    )
+
+
+def _fits(mesh: dict[str, int], num_devices: int) -> bool:
+    try:
+        mesh_lib.resolve_axis_sizes(mesh, num_devices)
+    except ValueError:
+        return False
+    return True
 
 
 def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:

@@ -8,6 +8,13 @@ also starts its event file with TensorBoard's restart marker (``SessionLog.START
 at the first step it writes), which TensorBoard's Python loader honours by
 purging later steps. Both files are written synchronously and flushed record by
 record, so a run killed at any moment has lost nothing it reported.
+
+In a bucket (a ``gs://`` workdir), where objects cannot be appended to, each file
+is a `storage.Mirror`: the same local writes, uploaded whole in the background
+and, through `MetricWriter.sync`, whenever the trainer saves a checkpoint. A run
+killed at any moment then has on the bucket every record up to the checkpoint it
+resumes from; the later ones it redoes, as a local run does. Writing a record
+costs the step loop what it costs on a local disk.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from replicator import storage
 
 
 class MetricWriter:
@@ -38,19 +47,29 @@ class MetricWriter:
         history reads as if the run had never stopped. None only appends (a
         sidecar evaluator).
       enabled: whether to write (default: on process 0 only).
+      name: the JSONL file's name in ``workdir``.
     """
 
-    def __init__(self, workdir: str, *, resume_step: int | None = 0, enabled: bool | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        resume_step: int | None = 0,
+        enabled: bool | None = None,
+        name: str = "metrics.jsonl",
+    ):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = self._tensorboard = None
+        self._write_s = 0.0
         if self.enabled:
-            os.makedirs(workdir, exist_ok=True)
-            path = os.path.join(workdir, "metrics.jsonl")
-            events = os.path.join(workdir, "tensorboard")
+            storage.makedirs(workdir)
+            events = storage.join(workdir, "tensorboard")
+            self._mirror = storage.Mirror(storage.join(workdir, name))
             if resume_step is not None:
-                _drop_records_after(path, resume_step)
+                _drop_records_after(self._mirror.local_path, resume_step)
                 _drop_events_after(events, resume_step)
-            self._jsonl = open(path, "a")
+                self._mirror.sync()
+            self._jsonl = open(self._mirror.local_path, "a")
             self._tensorboard = _EventFile(
                 events, restart_step=None if resume_step is None else resume_step + 1
             )
@@ -59,6 +78,7 @@ class MetricWriter:
         """Writes one record: ``{"step": step, "split": split, **metrics}``."""
         if not self.enabled:
             return
+        start = time.perf_counter()
         record = {"step": int(step), **({"split": split} if split else {})}
         record.update({k: _to_python(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(record) + "\n")
@@ -69,11 +89,32 @@ class MetricWriter:
             if key not in ("step", "split") and isinstance(value, int | float)
         }
         self._tensorboard.write_scalars(int(step), scalars)
+        self._write_s += time.perf_counter() - start
+
+    @property
+    def write_seconds(self) -> float:
+        """Time the caller spent in `write` (uploads to a bucket run in the background)."""
+        return self._write_s
+
+    @property
+    def upload_seconds(self) -> float:
+        """Time spent uploading to a bucket, off the caller's thread (0 for local files)."""
+        if not self.enabled:
+            return 0.0
+        return self._mirror.upload_seconds + self._tensorboard.mirror.upload_seconds
+
+    def sync(self) -> None:
+        """Puts every record written so far in the workdir's bucket (local files: nothing
+        to do); the trainer calls it with each checkpoint."""
+        if self.enabled:
+            self._mirror.sync()
+            self._tensorboard.mirror.sync()
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tensorboard.close()
+            self._mirror.close()
 
 
 class _EventFile:
@@ -88,10 +129,11 @@ class _EventFile:
     def __init__(self, directory: str, *, restart_step: int | None):
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        os.makedirs(directory, exist_ok=True)
+        storage.makedirs(directory)
         now = time.time_ns()
         name = f"events.out.tfevents.{now // 10**9:010d}.{socket.gethostname()}.{now}"
-        self._file = open(os.path.join(directory, name), "ab")
+        self.mirror = storage.Mirror(storage.join(directory, name), keep=False)
+        self._file = open(self.mirror.local_path, "ab")
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if restart_step is not None:
             start = SessionLog(status=SessionLog.START)
@@ -106,6 +148,7 @@ class _EventFile:
 
     def close(self) -> None:
         self._file.close()
+        self.mirror.close()
 
     def _write(self, event) -> None:
         from tensorboardX.record_writer import masked_crc32c
@@ -138,19 +181,16 @@ def _drop_records_after(path: str, step: int) -> None:
 
 
 def _drop_events_after(directory: str, step: int) -> None:
-    """Cuts every TensorBoard event file in ``directory`` back to the events of steps
-    <= ``step``, and drops a record torn by a crash."""
+    """Cuts every TensorBoard event file in ``directory`` (local or a bucket) back to the
+    events of steps <= ``step``, and drops a record torn by a crash."""
     from google.protobuf.message import DecodeError
     from tensorboardX.proto.event_pb2 import Event
 
-    if not os.path.isdir(directory):
-        return
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not name.startswith("events.out.tfevents") or not os.path.isfile(path):
+    for name in storage.listdir(directory):
+        path = storage.join(directory, name)
+        if not name.startswith("events.out.tfevents") or storage.isdir(path):
             continue
-        with open(path, "rb") as f:
-            data = f.read()
+        data = storage.read_bytes(path)
         keep = []
         for raw, payload in _framed_records(data):
             try:
@@ -159,12 +199,8 @@ def _drop_events_after(directory: str, step: int) -> None:
                 break  # garbled: nothing after it can be trusted
             if event.step <= step:
                 keep.append(raw)
-        if sum(map(len, keep)) == len(data):
-            continue
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        if sum(map(len, keep)) != len(data):
+            storage.write_bytes(path, b"".join(keep))
 
 
 def _framed_records(data: bytes):

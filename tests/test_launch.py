@@ -1,0 +1,475 @@
+"""`launch tpu` and `launch slurm` as their users see them: the exact commands, the
+bundle a pod receives, one-line errors, and the worker supervisor run for real."""
+
+import doctest
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import pytest
+
+from replicator import storage
+from replicator.runtime import launch, tpu, worker
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TRAIN = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run"]
+
+
+def printed_commands(out: str) -> list[list[str]]:
+    """The commands in launch's output, read as a shell reads them (comments dropped)."""
+    commands = []
+    for word in shlex.split(out, comments=True):
+        if word == "gcloud":
+            commands.append([])
+        commands[-1].append(word)
+    return commands
+
+
+def script_of(command: list[str]) -> list[str]:
+    """The lines of the bash script an ``ssh --command=...`` runs on the workers."""
+    assert command[-1].startswith("--command=")
+    script = command[-1].removeprefix("--command=")
+    subprocess.run(["bash", "-n", "-c", script], check=True)  # valid bash
+    return [line.strip() for line in script.splitlines()]
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """A temporary directory of the launcher's own, to see that a dry run writes nothing."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "launcher_tmp"))
+    (tmp_path / "launcher_tmp").mkdir()
+    return tmp_path / "launcher_tmp"
+
+
+def test_the_doctests():
+    assert doctest.testmod(tpu).failed == 0
+
+
+# ---------------------------------------------------------------- dry runs: the exact commands
+
+
+def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--project", "proj", "--python", "3.11"]
+    assert launch.main(["tpu", *where, "--dry-run", "--", *TRAIN]) == 0
+    out = capsys.readouterr().out
+    digest = tpu.plan_bundle(TRAIN).digest
+    bundle = f"replicator-{digest}.tar.gz"
+    assert out.startswith(f"# bundle {bundle}: ")
+    scp, setup, start = printed_commands(out)
+    assert scp == [
+        "gcloud", "compute", "tpus", "tpu-vm", "scp", f"{own_tmp}/{bundle}", f"my-pod:{bundle}",
+        "--worker=all", "--zone=us-east5-a", "--project=proj",
+    ]  # fmt: skip
+    ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--worker=all"]
+    assert setup[:-1] == start[:-1] == [*ssh, "--zone=us-east5-a", "--project=proj"]
+    setup = script_of(setup)
+    for line in (
+        f'bundle="$HOME/.replicator/bundles/{digest}"',
+        'venv="$bundle/venv-py3.11"',
+        'if [ ! -d "$bundle" ]; then',  # unpacked once per bundle
+        f'tar -xzf "$HOME/{bundle}" -C "$bundle.part"',
+        'if [ ! -f "$venv/installed" ]; then',  # installed once per bundle
+        'uv venv --quiet --python 3.11 "$venv"',
+        'uv pip install --quiet --python "$venv/bin/python" -e "$bundle/project[tpu]"',
+        'touch "$venv/installed"',
+    ):
+        assert line in setup, line
+    start = script_of(start)
+    for line in (
+        'if [ -f "$job/pid" ] && kill -0 -- "-$(cat "$job/pid")" 2>/dev/null; then',
+        "held=$(ls -d /dev/accel* /dev/vfio/* 2>/dev/null || true)",
+        "sudo -n rm -f /tmp/libtpu_lockfile 2>/dev/null || rm -f /tmp/libtpu_lockfile || true",
+        'cd "$bundle/project"',  # run from the project root: configs/digits_cnn.py is there
+        'setsid nohup "$bundle/venv-py3.11/bin/python" -m replicator.runtime.worker '
+        '--pid-file "$job/pid" --log "$job/worker.log" --log-dir gs://bucket/run/launch -- '
+        "train --config configs/digits_cnn.py --workdir gs://bucket/run "
+        '> "$job/supervisor.out" 2>&1 < /dev/null &',
+    ):
+        assert line in start, line
+    assert not list(own_tmp.iterdir())  # nothing written
+
+
+def test_tpu_dry_run_on_two_slices(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    train = ["train", "--config", "configs/lm_tiny.py", "--workdir", "gs://bucket/lm"]
+    where = ["--tpu", "my-qr", "--zone", "us-east5-a", "--slices", "2", "--python", "3.11"]
+    assert launch.main(["tpu", *where, "--restarts", "3", "--dry-run", "--", *train]) == 0
+    scp, setup, start = printed_commands(capsys.readouterr().out)
+    bundle = tpu.plan_bundle(train).name
+    qr = ["gcloud", "compute", "tpus", "queued-resources"]
+    everywhere = ["--worker=all", "--node=all", "--zone=us-east5-a"]
+    assert scp == [*qr, "scp", f"{own_tmp}/{bundle}", f"my-qr:{bundle}", *everywhere]
+    assert setup[:-1] == start[:-1] == [*qr, "ssh", "my-qr", *everywhere]
+    (run_line,) = [line for line in script_of(start) if line.startswith("setsid nohup")]
+    job = run_line.split(" -- ", 1)[1].split(" > ", 1)[0]
+    assert job == (
+        "train --config configs/lm_tiny.py --workdir gs://bucket/lm "
+        '"--config.dcn_mesh={\\"data\\": 2}"'
+    )
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {job}"], capture_output=True, text=True)
+    assert words.stdout.splitlines()[-1] == '--config.dcn_mesh={"data": 2}'  # as bash reads it
+    assert "--log-dir gs://bucket/lm/launch --restarts 3 -- train" in run_line
+
+    # A dcn_mesh of the user's own stays; logs and stop address the queued resource.
+    own = [*train, "--config.dcn_mesh={'data': 2, 'fsdp': 1}"]
+    assert tpu.job_command(own, slices=2) == own
+    logs = ["tpu", *where, "--logs", "--worker", "3", "--slice", "1", "--dry-run"]
+    assert launch.main(logs) == 0
+    assert printed_commands(capsys.readouterr().out) == [
+        [*qr, "ssh", "my-qr", "--worker=3", "--node=1", "--zone=us-east5-a",
+         '--command=tail -n 100 -F "$HOME/.replicator/job/worker.log"'],
+    ]  # fmt: skip
+    assert launch.main(["tpu", *where, "--stop", "--grace", "60", "--dry-run"]) == 0
+    (stop,) = printed_commands(capsys.readouterr().out)
+    assert stop[:-1] == [*qr, "ssh", "my-qr", *everywhere]
+    stop = script_of(stop)
+    assert 'if [ -n "$group" ] && kill -TERM -- "-$group" 2>/dev/null; then' in stop
+    assert 'while kill -0 -- "-$group" 2>/dev/null && [ $waited -lt 60 ]; do' in stop
+    assert 'if kill -KILL -- "-$group" 2>/dev/null; then' in stop
+    assert not list(own_tmp.iterdir())
+
+
+def test_tpu_dry_run_runs_a_python_script(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    script = ["python", "my_script.py", "--out", "gs://bucket/x y"]
+    assert (
+        launch.main(["tpu", "--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run", "--", *script])
+        == 0
+    )
+    (run_line,) = [
+        line for line in script_of(printed_commands(capsys.readouterr().out)[2])
+        if line.startswith("setsid nohup")
+    ]  # fmt: skip
+    # No --workdir: the log stays on each worker; the worker runs python as its own.
+    assert '"$job/worker.log" -- python my_script.py --out "gs://bucket/x y" >' in run_line
+
+
+def test_tpu_dry_run_from_an_experiment_directory(tmp_path, monkeypatch, capsys, own_tmp):
+    """A researcher's own directory: a config importing a module beside it, a virtualenv,
+    runs and data. The bundle has the project (from wherever replicator is imported),
+    the config and its neighbour, and nothing else of the directory."""
+    experiment = tmp_path / "my_experiment"
+    (experiment / "lib").mkdir(parents=True)
+    (experiment / "my_config.py").write_text(
+        "from helper import tweak\nfrom replicator.trainer.config import base_config\n\n"
+        "def get_config(mode=''):\n    return tweak(base_config(mode))\n"
+    )
+    (experiment / "helper.py").write_text("def tweak(c):\n    return c\n")
+    (experiment / "lib" / "__init__.py").write_text("")
+    (experiment / "notes.txt").write_text("not code\n")
+    for junk in (".venv/lib/site.py", "runs/a/metrics.jsonl", "data/train.py", "__pycache__/x.pyc"):
+        (experiment / junk).parent.mkdir(parents=True, exist_ok=True)
+        (experiment / junk).write_text("junk\n")
+    before = sorted(p for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(experiment)
+    command = ["train", "--config", "my_config.py:smoke", "--workdir", "gs://b/r"]
+    assert launch.main(["tpu", "--tpu", "p", "--zone", "z", "--dry-run", "--", *command]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # the dry run wrote nothing
+
+    bundle = tpu.plan_bundle(command)
+    assert f"# bundle {bundle.name}: " in out and "helper.py, lib/__init__.py, my_config.py" in out
+    assert 'cd "$bundle/work"' in out  # the command runs in the image of this directory
+    path = tpu.write_bundle(bundle, tmp_path / bundle.name)
+    with tarfile.open(path) as tar:
+        names = set(tar.getnames())
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    tracked = [n for n in tracked.stdout.splitlines() if (ROOT / n).is_file()]
+    assert len(tracked) > 100
+    assert {f"project/{n}" for n in tracked} <= names
+    work = {n for n in names if not n.startswith("project/")}
+    assert work == {"work", "work/my_config.py", "work/helper.py", "work/lib/__init__.py"}
+    for name in names:
+        assert not any(part in (".venv", "runs", "__pycache__") for part in name.split("/"))
+    again = tpu.write_bundle(tpu.plan_bundle(command), tmp_path / "again.tar.gz")
+    assert again.read_bytes() == path.read_bytes()  # the same files, the same bundle
+
+
+def test_files_outside_the_working_directory_are_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "elsewhere.py").write_text("")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for config in ("../elsewhere.py", str(tmp_path / "elsewhere.py")):
+        command = [
+            "tpu",
+            "--tpu",
+            "p",
+            "--zone",
+            "z",
+            "--dry-run",
+            "--",
+            "train",
+            "--config",
+            config,
+        ]
+        assert launch.main(command) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and "elsewhere.py" in line
+
+
+def test_slurm_dry_run_prints_the_script(capsys):
+    command = ["train", "--config", "configs/digits_cnn.py", "--workdir", "runs/x"]
+    assert (
+        launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "8", "--dry-run", "--", *command])
+        == 0
+    )
+    script = capsys.readouterr().out
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --signal=TERM@120",
+        "srun --kill-on-bad-exit=1 .venv/bin/python -m replicator train --config "
+        "configs/digits_cnn.py --workdir runs/x",
+    ):
+        assert line in script.splitlines()
+    script = ["python", "my_script.py", "--out", "gs://bucket/x y"]
+    assert (
+        launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "8", "--dry-run", "--", *script])
+        == 0
+    )
+    assert "srun --kill-on-bad-exit=1 .venv/bin/python my_script.py --out 'gs://bucket/x y'\n" in (
+        capsys.readouterr().out
+    )
+
+
+# ---------------------------------------------------------------- one-line errors
+
+
+def test_missing_programs_are_one_line_errors(tmp_path, monkeypatch, capsys, own_tmp):
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.chdir(tmp_path)
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a"]
+    for argv, program in [
+        (["tpu", *where, "--", *TRAIN], "gcloud"),
+        (["tpu", *where, "--logs"], "gcloud"),
+        (["tpu", *where, "--stop"], "gcloud"),
+        (["slurm", "--nodes", "2", "--gpus-per-node", "8", "--", *TRAIN], "sbatch"),
+    ]:
+        assert launch.main(argv) == 2
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert line.startswith("error: ") and f"no {program} on PATH" in line, line
+        assert "Traceback" not in captured.out
+    assert sorted(os.listdir(tmp_path)) == ["empty_bin", "launcher_tmp"]  # no replicator.sbatch
+    assert not list(own_tmp.iterdir())  # no bundle
+
+
+FAKE_GCLOUD = """#!{python}
+# gcloud for tests: a pod of one worker, this machine, whose home is FAKE_WORKER_HOME.
+import os, shutil, subprocess, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    f.write(" ".join(args[:5]) + "\\n")
+if args[:2] == ["auth", "list"]:
+    print(os.environ.get("FAKE_ACCOUNT", ""))
+    sys.exit(0)
+home = os.environ["FAKE_WORKER_HOME"]
+if args[3] == "scp":
+    shutil.copy(args[4], os.path.join(home, args[5].split(":", 1)[1]))
+    sys.exit(0)
+(script,) = [a[len("--command="):] for a in args if a.startswith("--command=")]
+sys.exit(subprocess.run(["bash", "-c", script], env={{**os.environ, "HOME": home}}).returncode)
+"""
+
+# uv for tests: a "virtualenv" that is this one (no download, no install).
+FAKE_UV = """#!/bin/sh
+echo "uv $*" >> "$FAKE_CALLS"
+if [ "$1" = venv ]; then
+  for venv; do :; done
+  mkdir -p "$venv/bin" && cp "{prefix}/pyvenv.cfg" "$venv/"
+  ln -s "{prefix}/bin/python" "$venv/bin/python" && ln -s "{prefix}/lib" "$venv/lib"
+fi
+"""
+
+
+@pytest.fixture
+def fake_cloud(tmp_path, monkeypatch):
+    """gcloud and uv on PATH that run everything on this machine; returns the calls file."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (
+        ("gcloud", FAKE_GCLOUD.format(python=sys.executable)),
+        ("uv", FAKE_UV.format(prefix=sys.prefix)),
+    ):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "worker_home").mkdir()
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_WORKER_HOME", str(tmp_path / "worker_home"))
+    return calls
+
+
+def test_gcloud_without_an_account_is_a_one_line_error(tmp_path, fake_cloud, own_tmp):
+    cli = [sys.executable, "-m", "replicator", "launch", "tpu", "--tpu", "p", "--zone", "z"]
+    env = {**os.environ, "TMPDIR": str(own_tmp)}
+    done = subprocess.run(
+        [*cli, "--", *TRAIN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: gcloud has no active account: run `gcloud auth login` (or `gcloud auth "
+        "activate-service-account`) first."
+    ]
+    assert fake_cloud.read_text() == "auth list --filter=status:ACTIVE --format=value(account)\n"
+    assert not list(own_tmp.iterdir()) and not list((tmp_path / "worker_home").iterdir())
+
+
+# ---------------------------------------------------------------- the worker supervisor, for real
+
+
+JOB = """import signal, sys, time
+from helper import greeting  # a module beside the script: shipped with it
+
+def stop(signum, frame):
+    print("job: SIGTERM, saving a checkpoint", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+print(greeting(), "in", __import__("os").getcwd(), flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def wait_for(predicate, timeout_s=90.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_launch_tpu_starts_a_detached_job_that_stop_ends(
+    tmp_path, monkeypatch, capfd, fake_cloud, own_tmp
+):
+    """The real (not dry) path on a pod of one worker, this machine: the bundle is
+    copied, unpacked and installed once, the job outlives the launcher, its output
+    reaches the worker's log and the workdir, a second start is refused, and stop
+    ends it with SIGTERM and frees the TPU."""
+    monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    monkeypatch.setattr(tpu, "TPU_DEVICES", str(tmp_path / "accel*"))
+    lockfile = tmp_path / "libtpu_lockfile"
+    monkeypatch.setattr(tpu, "TPU_LOCKFILE", str(lockfile))
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    (experiment / "job.py").write_text(JOB)
+    (experiment / "helper.py").write_text("def greeting():\n    return 'job: hello'\n")
+    monkeypatch.chdir(experiment)
+    workdir = tmp_path / "workdir"
+    command = ["python", "job.py", "--workdir", str(workdir)]
+    where = ["tpu", "--tpu", "fake-pod", "--zone", "z", "--python", "3.11"]
+    job_dir = tmp_path / "worker_home" / ".replicator" / "job"
+    try:
+        lockfile.write_text("")
+        assert launch.main([*where, "--", *command]) == 0
+        assert "started, process group" in capfd.readouterr().out
+        wait_for(lambda: "job: hello" in (job_dir / "worker.log").read_text())
+        group = int((job_dir / "pid").read_text())
+        os.killpg(group, 0)  # running, after the launcher returned
+        assert not lockfile.exists()  # the TPU was freed before the start
+        assert not list(own_tmp.iterdir())  # the local tarball is gone
+
+        digest = tpu.plan_bundle(command).digest
+        assert f"job: hello in {tmp_path}/worker_home/.replicator/bundles/{digest}/work" in (
+            (job_dir / "worker.log").read_text()
+        )
+        assert launch.main([*where, "--", *command]) == 2  # one job at a time
+        assert "runs a job (process group" in capfd.readouterr().err
+        installs = [c for c in fake_cloud.read_text().splitlines() if c.startswith("uv pip")]
+        assert len(installs) == 1  # the same bundle again installs nothing
+
+        lockfile.write_text("")
+        assert launch.main([*where, "--stop", "--grace", "30"]) == 0
+        assert "stopped" in capfd.readouterr().out
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+        assert not (job_dir / "pid").exists() and not lockfile.exists()
+        log = (job_dir / "worker.log").read_text()
+        assert "job: SIGTERM, saving a checkpoint" in log
+        assert "the command exited with status 0" in log and "restart" not in log
+        (mirrored,) = (workdir / "launch").glob("*.log")
+        assert mirrored.read_text() == log
+    finally:
+        _kill_the_job(job_dir / "pid")
+
+
+def _kill_the_job(pid_file: pathlib.Path) -> None:
+    try:
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+FAIL_TWICE = """import pathlib, sys
+runs = pathlib.Path(sys.argv[1])
+runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+print("attempt", len(runs.read_text()), flush=True)
+sys.exit(0 if len(runs.read_text()) >= 3 else 3)
+"""
+
+
+def test_the_worker_restarts_a_failed_command(tmp_path):
+    (tmp_path / "fail_twice.py").write_text(FAIL_TWICE)
+    supervisor = [sys.executable, "-m", "replicator.runtime.worker", "--restart-delay", "0"]
+
+    def supervise(restarts, name):
+        files = ["--pid-file", str(tmp_path / "pid"), "--log", str(tmp_path / f"{name}.log")]
+        mirror = ["--log-dir", str(tmp_path / "workdir" / "launch"), "--name", name]
+        counter = str(tmp_path / f"{name}.count")
+        argv = [*supervisor, *files, *mirror, "--restarts", str(restarts)]
+        argv += ["--", "python", "fail_twice.py", counter]
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    done = supervise(restarts=2, name="enough")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "workdir" / "launch" / "enough.log").read_text()
+    for line in ("attempt 1", "restart 1 of 2", "attempt 2", "restart 2 of 2", "attempt 3"):
+        assert line in log
+    assert log.count("running ") == 3 and not (tmp_path / "pid").exists()
+
+    done = supervise(restarts=1, name="too_few")
+    assert done.returncode == 3
+    log = (tmp_path / "too_few.log").read_text()
+    assert "restart 1 of 1" in log and "attempt 2" in log and "attempt 3" not in log
+
+
+def test_the_worker_mirrors_its_log_to_a_bucket(tmp_path, bucket):
+    argv = [sys.executable, "-m", "replicator.runtime.worker", "--pid-file", str(tmp_path / "pid")]
+    argv += ["--log", str(tmp_path / "worker.log"), "--log-dir", f"{bucket}/run/launch"]
+    argv += ["--name", "worker-0", "--", "python", "-c", "print('to the bucket')"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    remote = storage.read_text(f"{bucket}/run/launch/worker-0.log")
+    assert "to the bucket" in remote and remote == (tmp_path / "worker.log").read_text()
+
+
+def test_worker_name_off_a_tpu_vm_is_the_host_name(monkeypatch):
+    monkeypatch.delenv("MEGASCALE_NUM_SLICES", raising=False)
+    monkeypatch.setattr(worker, "tpu_metadata", lambda key, timeout_s=5.0: None)
+    assert worker.worker_name() == __import__("socket").gethostname()
+    metadata = {"agent-worker-number": "3", "tpu-env": "MEGASCALE_NUM_SLICES: '2'\nX: 'y'"}
+    monkeypatch.setattr(worker, "tpu_metadata", lambda key, timeout_s=5.0: metadata.get(key))
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    assert worker.worker_name() == "slice-1-worker-3"
+    metadata["tpu-env"] = "MEGASCALE_NUM_SLICES: '1'"
+    assert worker.worker_name() == "worker-3"
+
+
+def test_without_git_the_source_tree_is_walked(monkeypatch):
+    with_git = tpu.project_files(ROOT)
+    monkeypatch.setenv("PATH", "")
+    walked = tpu.project_files(ROOT)
+    hidden = [n for n in with_git if any(d.startswith(".") for d in n.split("/")[:-1])]
+    assert walked == [n for n in with_git if n not in hidden]
+    assert "replicator/runtime/tpu.py" in walked and "pyproject.toml" in walked
