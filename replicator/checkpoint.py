@@ -149,6 +149,9 @@ class Checkpoints:
                     "config": ocp.JsonCheckpointHandler(),
                 },
             )
+        self._remote = storage.is_remote(self.directory)
+        if self._remote and not read_only:
+            self._set_aside_unfinished()
         if async_save and not read_only:
             # A script that ends right after `save` would lose the checkpoint: at
             # exit Python refuses the thread-pool work Orbax's writer still needs.
@@ -226,12 +229,7 @@ class Checkpoints:
         if self._keep_best:
             self._manager.reload()
         listed = step in self._manager.all_steps()
-        if not listed and storage.is_remote(self.directory) and self._step_path(step).exists():
-            # In a bucket a save cut short leaves its objects (Orbax marks a finished one
-            # with commit_success.txt instead of renaming a temporary directory).
-            moved = self._move_aside(step, "unfinished")
-            log.info("An unfinished save of step %d was moved to %s.", step, moved)
-        elif listed or self._step_path(step).exists():
+        if listed or (not self._remote and self._step_path(step).exists()):
             moved = self._move_aside(step, "replaced")
             log.warning("Checkpoint step %d already existed; moved it to %s.", step, moved)
         self._json.pop(step, None)
@@ -428,6 +426,17 @@ class Checkpoints:
             return
         moved = self._move_aside(step, "corrupt")
         log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
+
+    def _set_aside_unfinished(self) -> None:
+        """Moves the remains of saves cut short (a kill mid-save) out of the way. In a
+        bucket Orbax marks a finished step with ``commit_success.txt`` instead of
+        renaming a temporary directory, so an unfinished one leaves objects at its
+        step's name, which the next save of that step would delete."""
+        finished = set(self._manager.all_steps())
+        for name in storage.listdir(self.directory):
+            if name.isdigit() and int(name) not in finished:
+                moved = self._move_aside(int(name), "unfinished")
+                log.info("An unfinished save of step %s was moved to %s.", name, moved)
 
     def _step_path(self, step: int) -> epath.Path:
         return storage.path(self.directory) / str(step)

@@ -133,6 +133,7 @@ OVERRIDES = {
     "eval_every_steps": "5",
     "checkpoint_every_steps": "6",
     "profile_steps": "2,3",
+    "profile_port": "9999",
     "keep_checkpoints": "4",
     "keep_best_checkpoints": "2",
     "best_metric": "loss",

@@ -247,6 +247,7 @@ def test_mirror_keeps_the_object_equal_to_the_file(bucket):
     assert not os.path.exists(mirror.local_path)
 
 
+@pytest.mark.slow  # two processes plus the 1 x 8 reference: make test-slow
 def test_two_processes_share_one_run_on_a_bucket(
     tmp_path,
     bucket,

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -150,30 +153,105 @@ class WatchNonfinite:
 
 
 class Profile:
-    """Captures a JAX profiler trace of steps START..END (config ``profile_steps``),
-    viewable in TensorBoard's profile plugin or Perfetto."""
+    """Profiles the run, viewable in xprof (TensorBoard's profile plugin) or Perfetto.
 
-    def __init__(self, directory: str, steps: str | None):
-        self._dir = directory
+    Two ways, both on every process of a multi-process run:
+
+    * ``steps`` (config ``profile_steps``, ``"START,END"``): each process traces
+      steps START..END into ``directory/process_<i>``, in the layout xprof reads
+      (``plugins/profile/<time>/<host>.xplane.pb``). A trace for a bucket is
+      written to a local temporary directory and uploaded through `storage` when
+      it stops: jaxlib's own ``gs://`` writer talks to Google's endpoints only,
+      past the storage layer's deadlines and retries.
+    * ``port`` (config ``profile_port``): each process runs JAX's profiler server
+      from construction to `close`, process ``i`` on port ``port + i`` of its own
+      host (processes that share a host never collide), so that a trace of every
+      worker at once can be captured on demand while the run goes on.
+    """
+
+    def __init__(self, directory: str, steps: str | None, port: int | None = None):
+        self._root = directory
+        self._dir = storage.join(directory, f"process_{jax.process_index()}")
         self._range = tuple(int(x) for x in steps.split(",")) if steps else None
-        self._active = False
+        self._tracing: str | None = None  # the local directory the trace goes to
+        self._serving = port is not None and _start_profiler_server(port + jax.process_index())
+        if port is not None and jax.process_index() == 0:
+            log.info("%s", _servers_line(port, jax.process_count()))
 
     def before(self, step: int) -> None:
         """Starts the trace before START is dispatched."""
-        if self._range and step == self._range[0] and jax.process_index() == 0:
-            jax.profiler.start_trace(self._dir)
-            self._active = True
+        if self._range and step == self._range[0]:
+            remote = storage.is_remote(self._dir)
+            self._tracing = tempfile.mkdtemp(prefix="replicator-profile-") if remote else self._dir
+            jax.profiler.start_trace(self._tracing)
 
     def __call__(self, end: StepEnd) -> None:
-        if self._active and end.step >= self._range[1]:
+        if self._tracing is not None and end.step >= self._range[1]:
             jax.block_until_ready(end.sums)  # the traced steps, finished
-            self.close()
+            self._stop_trace()
 
     def close(self) -> None:
-        if self._active:
-            jax.profiler.stop_trace()
-            self._active = False
-            log.info("Profiler trace of steps %s-%s in %s", *self._range, self._dir)
+        """Ends a trace still running (a run that stopped inside the range) and the server."""
+        self._stop_trace()
+        if self._serving:
+            jax.profiler.stop_server()
+            self._serving = False
+
+    def _stop_trace(self) -> None:
+        if self._tracing is None:
+            return
+        tracing, self._tracing = self._tracing, None
+        jax.profiler.stop_trace()
+        if tracing != self._dir:
+            try:
+                storage.copy_tree(tracing, self._dir)
+            except OSError as e:  # a StorageError too
+                log.warning(
+                    "Could not upload the profiler trace to %s (kept in %s): %s",
+                    self._dir,
+                    tracing,
+                    e,
+                )
+                return
+            shutil.rmtree(tracing, ignore_errors=True)
+        if jax.process_index() == 0:
+            where = self._dir if jax.process_count() == 1 else storage.join(self._root, "process_*")
+            log.info("Profiler trace of steps %s-%s in %s", *self._range, where)
+
+
+def _servers_line(port: int, processes: int) -> str:
+    """Where the processes' profiler servers listen and how to capture from them.
+
+    >>> _servers_line(9999, 1).split(":")[0]
+    'Profiler server on port 9999'
+    >>> _servers_line(9999, 4).split(":")[0]
+    'Profiler servers on ports 9999-10002, process i on port 9999+i of its host'
+    """
+    if processes == 1:
+        return (
+            f"Profiler server on port {port}: capture a trace on demand with xprof "
+            f"(Capture Profile, HOST:{port})"
+        )
+    return (
+        f"Profiler servers on ports {port}-{port + processes - 1}, process i on port {port}+i "
+        f"of its host: capture them all at once on demand with xprof (Capture Profile, "
+        f"HOST_0:{port},HOST_1:{port + 1},...)"
+    )
+
+
+def _start_profiler_server(port: int) -> bool:
+    """Starts JAX's profiler server on ``port``; warns and returns False where it cannot
+    listen there (the server itself would only log its failure)."""
+    try:
+        family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+        socket.create_server(
+            ("", port), family=family, dualstack_ipv6=family == socket.AF_INET6
+        ).close()
+        jax.profiler.start_server(port)
+    except (OSError, OverflowError, ValueError) as e:  # in use, > 65535, or already running
+        log.warning("No profiler server on port %d: %s", port, e)
+        return False
+    return True
 
 
 class Evaluate:

@@ -79,6 +79,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "eval_every_steps": ((int,), _REQUIRED, "steps between evaluations"),
     "checkpoint_every_steps": ((int,), _REQUIRED, "steps between checkpoints"),
     "profile_steps": ((str, None), None, "'START,END': a JAX profiler trace of those steps"),
+    "profile_port": (
+        (int, None),
+        None,
+        "on-demand profiling: process i runs a JAX profiler server on port profile_port+i",
+    ),
     "keep_checkpoints": ((int,), 3, "keep the latest N checkpoints"),
     "keep_best_checkpoints": ((int,), 0, "also keep the best N by best_metric"),
     "best_metric": ((str, None), None, "the eval metric that ranks checkpoints"),
@@ -260,6 +265,8 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
                 f"'profile_steps'={values['profile_steps']!r} must be 'START,END' with "
                 "1 <= START <= END"
             )
+    if values["profile_port"] is not None and not 0 < values["profile_port"] < 65536:
+        problems.append(f"'profile_port' must be a port, 1 to 65535, got {values['profile_port']}")
     if values["keep_best_checkpoints"] and values["best_metric"] is None:
         problems.append("'keep_best_checkpoints' > 0 needs 'best_metric' (an eval metric)")
     if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:

@@ -167,7 +167,9 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     guard = act.WatchNonfinite(
         workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize
     )
-    profile = act.Profile(storage.join(workdir, "profile"), config.profile_steps)
+    profile = act.Profile(
+        storage.join(workdir, "profile"), config.profile_steps, config.profile_port
+    )
     stop = act.Stop(checkpoints, preemption, flush=lambda: (guard.close(), log_train.close()))
     return _Actions(
         [

@@ -20,6 +20,9 @@ once on the whole batch. A split that fits in memory is decoded once
 starts when the run opens its data, so the first epoch's decoding overlaps
 compilation; later epochs are NumPy gathers. grain iterates over the batches
 and can compute them on threads.
+
+The data_dir may be a bucket: each machine reads a local copy of the dataset
+(``remote``), and ``prepare_dataset`` puts an offline dataset into one.
 """
 
 from replicator.trainer.data.cache import CachedSource as CachedSource
@@ -33,3 +36,4 @@ from replicator.trainer.data.records import RecordSource as RecordSource
 from replicator.trainer.data.records import read_batch as read_batch
 from replicator.trainer.data.sources import DatasetNotPreparedError as DatasetNotPreparedError
 from replicator.trainer.data.sources import load_data_source as load_data_source
+from replicator.trainer.data.sources import prepare_dataset as prepare_dataset

@@ -3,15 +3,24 @@
 TensorFlow is never needed: tfds writes and reads array_record files. A split
 that fits in memory is wrapped in a `CachedSource`, decoded once in the
 background; others are read a batch at a time through `RecordSource`.
+
+A data_dir may be a bucket (``gs://...``). ArrayRecord cannot read or write
+there (see `replicator.trainer.data.remote`), so each machine reads the
+dataset's version from a copy on its own disk, made on first use, and an
+offline dataset missing from the bucket is built on a disk and uploaded.
 """
 
 import difflib
+import os
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
+from replicator import storage
+from replicator.runtime import compat
+from replicator.trainer.data import remote
 from replicator.trainer.data.cache import CachedSource
 from replicator.trainer.data.records import _FILE_FORMAT, Example, RecordSource
 
@@ -28,6 +37,7 @@ def load_data_source(
     prepare: bool = True,
     max_cache_bytes: int = 2**30,
     fill_in_background: bool = False,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Sequence[Example]:
     """Opens one split of a tfds dataset as a random-access data source.
 
@@ -37,6 +47,13 @@ def load_data_source(
     already be prepared there in array_record format; this function never
     downloads, so it cannot hang on a machine without network. Under
     ``tfds.testing.mock_data`` any registered dataset reads as fake examples.
+
+    A ``gs://`` data_dir is read through a local copy of the dataset's
+    version directory under ``cache_dir``, made once per machine (every
+    process of a run calls this; the processes of one machine share the
+    copy). An offline dataset missing from the bucket is built locally by
+    each machine, and process 0 uploads it; a download-based one must be put
+    there first (the error says how).
 
     Args:
         name: tfds name, optionally with config and version (``"mnist:3.*.*"``).
@@ -52,6 +69,9 @@ def load_data_source(
             its first example; 0 never caches.
         fill_in_background: start decoding a cached split right away, on a
             thread (`CachedSource.fill_in_background`).
+        cache_dir: where copies of datasets in a bucket are kept (default
+            ``$XDG_CACHE_HOME/replicator/tfds``, i.e. ``~/.cache/...``); a
+            bucket's ``gs://B/P`` is copied to ``cache_dir/B/P``.
 
     Returns:
         A sequence of example dicts of numpy values with ``len`` and
@@ -63,13 +83,15 @@ def load_data_source(
             says where it looked and gives the command that prepares them.
         ValueError: unknown dataset or split, or files stored in a format
             without random access (TFRecord).
+        replicator.storage.StorageError: a bucket data_dir that does not
+            exist, cannot be read, or does not answer.
 
     >>> import experiments.datasets  # Registers "digits" with tfds.
     >>> source = load_data_source("digits", "test", data_dir=data_dir)
     >>> len(source), source[0]["image"].shape, int(source[0]["label"]) in range(10)
     (360, (8, 8, 1), True)
     """
-    source = _open_split(name, split, data_dir=data_dir, prepare=prepare)
+    source = _open_split(name, split, data_dir=data_dir, prepare=prepare, cache_dir=cache_dir)
     if len(source) and len(source) * _num_bytes(source[0]) <= max_cache_bytes:
         source = CachedSource(source)
         if fill_in_background:
@@ -77,7 +99,69 @@ def load_data_source(
     return source
 
 
-def _open_split(name: str, split: str, *, data_dir: str | None, prepare: bool) -> Sequence:
+def prepare_dataset(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+) -> str:
+    """Prepares an offline tfds dataset in ``data_dir``, a local directory or a bucket.
+
+    Does nothing where the dataset is prepared already. Into a bucket, the
+    dataset is built locally (under ``cache_dir``, where it stays as this
+    machine's copy) and uploaded, its metadata last, so that a run reading the
+    bucket meanwhile never takes a partial upload for the dataset.
+
+    Args:
+        name: tfds name, optionally with config and version, of a builder that
+            needs no download (its class sets ``BUILDS_OFFLINE = True``).
+        data_dir: root of the tfds data, local or ``gs://``; None means tfds'
+            default (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+        cache_dir: where the local build for a bucket goes (as for
+            `load_data_source`).
+
+    Returns:
+        The dataset's version directory, ``DATA_DIR/NAME/CONFIG/VERSION``.
+
+    Raises:
+        DatasetNotPreparedError: the dataset is missing and its builder needs a
+            download; the message says how to build it elsewhere and copy it in.
+        replicator.storage.StorageError: the bucket does not exist, cannot be
+            written, or does not answer.
+
+    >>> import experiments.datasets  # Registers "digits" with tfds.
+    >>> prepare_dataset("digits", data_dir)
+    '.../digits/1.0.0'
+    """
+    if data_dir is not None and storage.is_remote(data_dir):
+        builder = _bucket_builder(name, storage.normalize(data_dir))
+        version_url = storage.normalize(builder.data_dir)
+        if not remote.is_uploaded(version_url):
+            if not getattr(builder, "BUILDS_OFFLINE", False):
+                raise DatasetNotPreparedError(_not_prepared_message(name, builder, True))
+            local_dir = _build_copy(name, builder, cache_dir)
+            remote.upload(local_dir, version_url)
+        return version_url
+    builder = _get_builder(name, data_dir)
+    if not builder.is_prepared():
+        if not getattr(builder, "BUILDS_OFFLINE", False):
+            raise DatasetNotPreparedError(_not_prepared_message(name, builder, True))
+        builder = _prepare_offline(name, data_dir)
+    return os.fspath(builder.data_dir)
+
+
+def _open_split(
+    name: str,
+    split: str,
+    *,
+    data_dir: str | None,
+    prepare: bool,
+    cache_dir: str | os.PathLike | None = None,
+) -> Sequence:
+    bucket_builder = None
+    if data_dir is not None and storage.is_remote(data_dir):
+        bucket_builder = _bucket_builder(name, storage.normalize(data_dir))
+        data_dir = _local_copy(name, bucket_builder, prepare=prepare, cache_dir=cache_dir)
     builder = _get_builder(name, data_dir)
     if prepare and getattr(builder, "BUILDS_OFFLINE", False) and not builder.is_prepared():
         builder = _prepare_offline(name, data_dir)
@@ -87,7 +171,8 @@ def _open_split(name: str, split: str, *, data_dir: str | None, prepare: bool) -
         return RecordSource.wrap(builder.as_data_source(split=split))
     except (KeyError, ValueError, NotImplementedError) as e:
         if not builder.is_prepared():
-            raise DatasetNotPreparedError(_not_prepared_message(name, builder, prepare)) from e
+            message = _not_prepared_message(name, bucket_builder or builder, prepare)
+            raise DatasetNotPreparedError(message) from e
         raise ValueError(
             f"Cannot read split {split!r} of dataset {name!r} at {builder.data_dir}, which "
             f"has splits {sorted(builder.info.splits)} stored as "
@@ -127,13 +212,70 @@ def _prepare_offline(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
     return _get_builder(name, data_dir)
 
 
+def _bucket_builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
+    """The builder of ``name`` over bucket ``data_dir``, which must exist (tfds itself
+    would take a missing bucket for an empty data_dir)."""
+    storage.check_bucket(data_dir)
+    return storage.call("read", data_dir, lambda: _get_builder(name, data_dir))
+
+
+def _local_copy(
+    name: str,
+    bucket_builder: tfds.core.DatasetBuilder,
+    *,
+    prepare: bool,
+    cache_dir: str | os.PathLike | None,
+) -> str:
+    """The local data_dir that stands for the bucket's: it holds a copy of the
+    dataset's version when the bucket has it, or when it can be built here."""
+    version_url = storage.normalize(bucket_builder.data_dir)
+    if remote.is_uploaded(version_url):
+        remote.fill_once(
+            version_url, lambda d: remote.download(version_url, d), cache_dir=cache_dir
+        )
+    elif prepare and getattr(bucket_builder, "BUILDS_OFFLINE", False):
+        # Every machine builds its own copy (the builder is deterministic and
+        # needs no network) rather than wait for another's upload; one uploads.
+        local_dir = _build_copy(name, bucket_builder, cache_dir)
+        if _is_first_process():
+            remote.upload(local_dir, version_url)
+    # Whatever the bucket lacks stays missing here too: reading explains it.
+    return remote.local_path(bucket_builder.data_dir_root, cache_dir)
+
+
+def _build_copy(
+    name: str, bucket_builder: tfds.core.DatasetBuilder, cache_dir: str | os.PathLike | None
+) -> str:
+    """Builds the offline dataset into this machine's copy of the bucket (once)."""
+    local_root = remote.local_path(bucket_builder.data_dir_root, cache_dir)
+    return remote.fill_once(
+        bucket_builder.data_dir, lambda _: _prepare_offline(name, local_root), cache_dir=cache_dir
+    )
+
+
+def _is_first_process() -> bool:
+    # Asking JAX before it has joined the other processes would start its
+    # backends, after which it cannot join them: such a caller is on its own.
+    if compat.backends_are_initialized() or compat.coordination_client() is not None:
+        return jax.process_index() == 0
+    return True
+
+
 def _not_prepared_message(name: str, builder: tfds.core.DatasetBuilder, prepare: bool) -> str:
     where = f"Dataset {name!r} is not prepared in {_FILE_FORMAT} format at {builder.data_dir}."
     if getattr(builder, "BUILDS_OFFLINE", False) and not prepare:
-        return f"{where} It needs no download: call load_data_source(..., prepare=True)."
+        return (
+            f"{where} It needs no download: call load_data_source(..., prepare=True) "
+            f"or prepare_dataset({name!r}, {str(builder.data_dir_root)!r})."
+        )
+    root = os.fspath(builder.data_dir_root)
+    copy = (
+        f"then copy it into the bucket:\n  gcloud storage cp -r DIR/{builder.name} {root}/"
+        if storage.is_remote(root)
+        else f"then copy DIR/{builder.name} to {root}/{builder.name} here."
+    )
     return (
         f"{where}\nIts builder downloads the data, which replicator never does. On a "
         "machine with network and TensorFlow (tfds encodes images with it), run\n"
-        f"  tfds build {name} --data_dir=DIR --file_format={_FILE_FORMAT}\n"
-        f"then copy DIR/{builder.name} to {builder.data_dir_root}/{builder.name} here."
+        f"  tfds build {name} --data_dir=DIR --file_format={_FILE_FORMAT}\n{copy}"
     )
