@@ -388,12 +388,11 @@ class Mirror:
                 pass
         with open(self.local_path, "wb") as f:
             f.write(data)
-        self._uploaded = (len(data), data)
+        self._uploaded = data
         self._lock = threading.Lock()  # one upload at a time
         self._stop = threading.Event()
         self._failed: BaseException | None = None
         self._upload_s = 0.0
-        self._uploads = 0
         self._thread = threading.Thread(
             target=self._run, args=(interval_s,), daemon=True, name="replicator-mirror"
         )
@@ -416,13 +415,12 @@ class Mirror:
         with self._lock:
             with open(self.local_path, "rb") as f:
                 data = f.read()
-            if len(data) == self._uploaded[0] and data == self._uploaded[1]:
+            if data == self._uploaded:
                 return
             start = time.perf_counter()
             write_bytes(self.target, data)
             self._upload_s += time.perf_counter() - start
-            self._uploads += 1
-            self._uploaded = (len(data), data)
+            self._uploaded = data
 
     def close(self) -> None:
         """Uploads what is left and stops the background thread; the working copy goes."""

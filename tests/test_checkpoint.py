@@ -22,7 +22,7 @@ import pytest
 
 import replicator as rp
 from replicator import checkpoint as ckpt_lib
-from replicator import trainer
+from replicator import storage, trainer
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
 from tests.test_train import read_records
@@ -73,10 +73,11 @@ def wait_for(predicate, proc, timeout=120):
 
 
 def final_params(workdir):
-    """The last checkpoint's parameters, read with plain Orbax (no replicator), as numpy."""
+    """The last checkpoint's parameters, read with plain Orbax (no replicator), as numpy;
+    ``workdir`` a local path or an epath in a bucket."""
     directory = workdir / "checkpoints"
     step = max(int(d.name) for d in directory.iterdir() if d.name.isdigit())
-    path = (directory / str(step) / "state").absolute()
+    path = storage.path(directory / str(step) / "state")  # absolute; a gs:// URL unmangled
     handler = ocp.PyTreeCheckpointHandler()
     target = {"params": handler.metadata(path).tree["params"]}
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)

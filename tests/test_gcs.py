@@ -74,22 +74,6 @@ def records(workdir):
     return [json.loads(line) for line in text.splitlines()]
 
 
-def bucket_params(workdir):
-    """The last checkpoint's parameters in the bucket, read with plain Orbax, as numpy."""
-    import orbax.checkpoint as ocp
-
-    directory = storage.path(f"{workdir}/checkpoints")
-    step = max(int(d.name) for d in directory.iterdir() if d.name.isdigit())
-    path = directory / str(step) / "state"
-    handler = ocp.PyTreeCheckpointHandler()
-    target = {"params": handler.metadata(path).tree["params"]}
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    restored = ocp.Checkpointer(handler).restore(
-        path, args=ocp.args.PyTreeRestore(target, restore_args=as_numpy, partial_restore=True)
-    )
-    return step, restored["params"]
-
-
 def without_timing(rs):
     """The records a rerun must reproduce bitwise: all but the summary and the speeds."""
     return [
@@ -122,7 +106,7 @@ def test_a_run_on_a_bucket_leaves_nothing_local_and_equals_a_local_run(
     assert any(o.startswith("checkpoints/120/state/") for o in objects)
     assert "python -m replicator train" in storage.read_text(f"{workdir}/log.txt")
     assert without_timing(records(workdir)) == without_timing(records(local_reference))
-    step, params = bucket_params(workdir)
+    step, params = final_params(storage.path(workdir))
     ref_step, ref_params = final_params(local_reference)
     assert step == ref_step == 120
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
@@ -147,7 +131,7 @@ def test_sigkill_then_resume_from_another_directory_is_bitwise(
     assert "Resumed from step" in err
     assert os.listdir(first) == [] and os.listdir(second) == []
     assert without_timing(records(workdir)) == without_timing(records(local_reference))
-    step, params = bucket_params(workdir)
+    step, params = final_params(storage.path(workdir))
     _, ref_params = final_params(local_reference)
     assert step == 120
     jax.tree.map(np.testing.assert_array_equal, params, ref_params)
