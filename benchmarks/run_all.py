@@ -32,7 +32,7 @@ OURS = {
     "compile": (["--rounds", "2"], ["--rounds", "1"]),
 }
 # Their docs sections are written by hand.
-OTHERS = ("loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk")
+OTHERS = ("loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage")
 PREAMBLE = """# Benchmarks
 
 Measured side by side on the development machine (a shared 2-core AMD EPYC VM,
@@ -58,6 +58,7 @@ def sections() -> dict[str, str]:
     import efficiency
     import precision
     import scaling
+    import storage
     import throughput
 
     modules = {
@@ -67,6 +68,7 @@ def sections() -> dict[str, str]:
         "compile": compile_bench,
         "checkpoint": checkpoint,
         "precision": precision,
+        "storage": storage,
     }
     out = {}
     for name, module in modules.items():

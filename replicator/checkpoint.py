@@ -10,7 +10,9 @@ replicator (docs/guide.md, "Reading a checkpoint with Orbax alone"):
 * ``data/``    JSON: the input iterator's position, when one was given;
 * ``config/``  JSON: the resolved experiment config, when one was given;
 * ``metrics/`` JSON: eval metrics of that step, when there are any (Orbax's
-  own item, read by the best-N retention).
+  own item, read by the best-N retention);
+* ``before_commit/`` empty: the place of a save's ``before_commit`` callable
+  (the trainer's upload of its records), which Orbax runs as a part of the save.
 
 Orbax writes each step into a temporary directory and renames it when complete,
 so a checkpoint torn by a crash is never listed. A listed step that cannot be
@@ -24,6 +26,7 @@ ones, so a checkpoint written on 8 devices restores on 1 or 3.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -38,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
+from orbax.checkpoint.future import CommitFutureAwaitingContractedSignals
 
 from replicator import storage
 from replicator.per_replica import PerReplica, is_per_replica, mark_like
@@ -147,6 +151,7 @@ class Checkpoints:
                     "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
                     "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler(),
+                    "before_commit": _BeforeCommitHandler(),
                 },
             )
         self._remote = storage.is_remote(self.directory)
@@ -193,6 +198,7 @@ class Checkpoints:
         *,
         config: dict | None = None,
         metrics: dict[str, float] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Starts saving ``state`` as checkpoint ``step`` and returns.
 
@@ -214,6 +220,12 @@ class Checkpoints:
           config: a JSON-serialisable dict stored beside the state
             (`saved_config`).
           metrics: eval metrics of this step, ranked by ``keep_best``.
+          before_commit: called in the background while the arrays are written;
+            the checkpoint is committed only once it returned (if it raises, the
+            save fails, and `check_for_errors` or the next `save` raises). The
+            trainer passes the upload of its records to a bucket: no checkpoint
+            is ever listed whose records are missing, and the loop does not
+            wait for the upload.
 
         Raises:
           Exception: the error of an earlier background save that failed.
@@ -242,6 +254,8 @@ class Checkpoints:
             # Written as Orbax's own "metrics" item, which its best-N policy reads
             # (Orbax itself writes it only when the legacy best_fn option is set).
             items["metrics"] = ocp.args.JsonSave(metrics)
+        if before_commit is not None:
+            items["before_commit"] = _BeforeCommit(before_commit)
         self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
     def wait(self) -> None:
@@ -514,6 +528,29 @@ def _marked_like(restored: PyTree, like: PyTree) -> PyTree:
     parts = treedef.flatten_up_to(restored)
     parts = [PerReplica(p) if _is_marked(m) else p for m, p in zip(marks, parts, strict=True)]
     return mark_like(treedef.unflatten(parts), like)
+
+
+class _BeforeCommitHandler(ocp.AsyncCheckpointHandler):
+    """Runs a save's ``before_commit`` callable beside the array writes: Orbax commits
+    a step only when every item's futures are done, this one included."""
+
+    async def async_save(self, directory: epath.Path, args: _BeforeCommit):
+        async def call() -> None:
+            args.fn()
+
+        return [CommitFutureAwaitingContractedSignals(call(), name="before_commit")]
+
+    def save(self, directory: epath.Path, args: _BeforeCommit) -> None:
+        args.fn()
+
+    def restore(self, directory: epath.Path, args: _BeforeCommit | None = None) -> None:
+        return None
+
+
+@ocp.args.register_with_handler(_BeforeCommitHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class _BeforeCommit(ocp.args.CheckpointArgs):
+    fn: Callable[[], None] | None = None
 
 
 def _finish_saving(manager_ref: weakref.ref) -> None:

@@ -186,12 +186,21 @@ def _with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
 
 def _is_permanent(error: Exception) -> bool:
     code = getattr(error, "code", None) or getattr(error, "status", None)
-    return isinstance(code, int) and code in (400, 401, 403, 404)
+    if isinstance(code, int):
+        return code in (400, 401, 403, 404)
+    return _forbidden(error)
+
+
+def _forbidden(error: BaseException) -> bool:
+    """gcsfs's 403: a plain OSError, "Forbidden: URL" then the service's message."""
+    return type(error) is OSError and str(error).startswith("Forbidden:")
 
 
 def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    text = text[0][:200] if text else ""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if _forbidden(error) and len(lines) > 1:
+        return f"permission denied: {lines[1][:300]}"  # the service says who lacks what
+    text = lines[0][:200] if lines else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 

@@ -15,6 +15,11 @@ few arrays. This adds, as GCS documents them:
   checked and written under one lock so that two writers cannot both win
   (https://cloud.google.com/storage/docs/request-preconditions).
 
+The emulator has no IAM, so one more rule stands in for a bucket the caller may
+read but not write: in a bucket whose name starts with ``readonly-``, every
+upload and delete is refused with 403 Forbidden and GCS's message for a caller
+without the permission (``storage.objects.create`` / ``storage.objects.delete``).
+
 Everything else is the emulator's own server, unchanged.
 """
 
@@ -48,7 +53,30 @@ def download(request, response, storage, *args, **kwargs):
     response["x-goog-metageneration"] = str(obj["metageneration"])
 
 
+READ_ONLY = "readonly-"
+
+
+def _forbidden(request, response, permission: str) -> bool:
+    bucket = request.params.get("bucket_name", "")
+    if not bucket.startswith(READ_ONLY):
+        return False
+    response.status = HTTPStatus.FORBIDDEN
+    message = (
+        f"tester@example.iam.gserviceaccount.com does not have {permission} access to the "
+        f"Google Cloud Storage bucket {bucket}."
+    )
+    response.json({"error": {"code": 403, "message": message}})
+    return True
+
+
+def delete(request, response, storage, *args, **kwargs):
+    if not _forbidden(request, response, "storage.objects.delete"):
+        objects_delete(request, response, storage, *args, **kwargs)
+
+
 def insert(request, response, storage, *args, **kwargs):
+    if _forbidden(request, response, "storage.objects.create"):
+        return
     wanted = request.query.get("ifGenerationMatch")
     name = request.query.get("name")
     with _WRITE:
@@ -61,13 +89,12 @@ def insert(request, response, storage, *args, **kwargs):
         objects_insert(request, response, storage, *args, **kwargs)
 
 
-objects_download, objects_insert = objects.download, objects.insert
+objects_download, objects_insert, objects_delete = objects.download, objects.insert, objects.delete
+_OURS = {objects_download: download, objects_insert: insert, objects_delete: delete}
 for _, handlers in server.HANDLERS:
     for method, handler in list(handlers.items()):
-        if handler is objects_download:
-            handlers[method] = download
-        elif handler is objects_insert:
-            handlers[method] = insert
+        if handler in _OURS:
+            handlers[method] = _OURS[handler]
 objects.insert = insert  # the server's fallback for uploads posted without /upload
 objects.download = download  # what a GET of .../o/NAME?alt=media calls through objects.get
 

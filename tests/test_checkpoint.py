@@ -548,6 +548,30 @@ def test_failed_async_save_is_raised_and_keeps_previous(tmp_path, monkeypatch):
     np.testing.assert_array_equal(restored.params["dense"]["kernel"], 1.0)
 
 
+def test_a_save_is_committed_only_after_its_before_commit_returned(tmp_path):
+    state = small_state()
+    manager = rp.Checkpoints(tmp_path, rp.Replicator())
+    listed_during = []
+
+    def upload_records():
+        time.sleep(0.2)  # slower than the arrays: the commit has to wait for it
+        listed_during.append(sorted(os.listdir(tmp_path)))
+
+    manager.save(1, state, before_commit=upload_records)
+    assert listed_during == []  # save returned without waiting for it
+    manager.wait()
+    assert listed_during and "1" not in listed_during[0]
+    assert manager.all_steps() == [1]
+
+    def fails():
+        raise OSError("the bucket refused the records")
+
+    manager.save(2, state, before_commit=fails)
+    with pytest.raises(OSError, match="refused the records"):
+        manager.wait()
+    assert reader(tmp_path).all_steps() == [1]  # never listed without its records
+
+
 def guide_orbax_recipe():
     """The first python block of the guide's "Reading a checkpoint with Orbax alone"."""
     with open(os.path.join(ROOT, "docs", "guide.md")) as f:

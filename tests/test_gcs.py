@@ -8,6 +8,7 @@ directory (a recreated pod), and eval must read it back on any devices.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,6 +165,26 @@ def test_a_missing_bucket_is_one_line_and_writes_nothing(tmp_path, gcs_server):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "no such bucket gs://no-such-bucket-here" in lines[0], err
         assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bucket_one_cannot_write_is_one_line_and_writes_nothing(tmp_path, gcs_server):
+    import fsspec
+
+    bucket = f"readonly-{os.urandom(6).hex()}"  # the server refuses writes there (403)
+    fsspec.filesystem("gcs").mkdir(bucket)
+    expected = {"train": "permission denied: .* storage.objects.create", "eval": "not a "}
+    for command in (["train", "--config", CONFIG], ["eval"]):
+        start = time.monotonic()
+        proc = replicator_command(*command, "--workdir", f"gs://{bucket}/run", cwd=tmp_path)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and f"gs://{bucket}/run" in lines[0], err
+        assert re.search(expected[command[0]], lines[0]), err  # no retrying a refusal
+        assert "Traceback" not in err
+        assert time.monotonic() - start < 60
+    assert gcs.list_objects(f"gs://{bucket}") == []
     assert os.listdir(tmp_path) == []
 
 

@@ -197,3 +197,18 @@ def test_cli_rejects_unknown_override(tmp_path):
     assert done.returncode != 0
     assert "learning_rat" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_run_rerun_only_evaluates_and_keeps_its_records(tmp_path, digits_data_dir):
+    config = load_config(data_dir=digits_data_dir, num_train_steps=4, eval_every_steps=2)
+    first = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+    records = read_records(tmp_path)
+    events = sorted(os.listdir(tmp_path / "tensorboard"))
+    sizes = [os.path.getsize(tmp_path / "tensorboard" / name) for name in events]
+    for _ in range(3):
+        again = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
+        assert again["accuracy"] == first["accuracy"] and again["step"] == 4
+    assert read_records(tmp_path) == records  # one summary of training, no step repeated
+    assert [r["steps"] for r in records if r.get("split") == "summary"] == [4]
+    assert sorted(os.listdir(tmp_path / "tensorboard")) == events
+    assert [os.path.getsize(tmp_path / "tensorboard" / name) for name in events] == sizes

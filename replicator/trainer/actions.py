@@ -64,12 +64,21 @@ class StepEnd:
     stop: bool = False
 
 
+def block(tree: Any) -> Any:
+    """Waits until ``tree``'s arrays are computed; returns it. The actions wait for the
+    device only through the ``wait`` they are given (default: this), so that the loop
+    can count that time as the device's (`Stopwatch`'s "compute")."""
+    return jax.block_until_ready(tree)
+
+
 class LogTrain:
     """Writes a logged step's train metrics, fetched once the next step is dispatched,
     so the host never waits for the device just to log. A record holds that step's
     own metrics, so a resumed run logs exactly what an uninterrupted one does."""
 
-    def __init__(self, writer, progress, summarize, *, every_steps, per_step, unit, start):
+    def __init__(self, writer, progress, summarize, *, every_steps, per_step, unit, start,
+                 wait: Callable[[Any], Any] = block):  # fmt: skip
+        self._wait = wait
         self._writer, self._progress, self._summarize = writer, progress, summarize
         self._every, self._per_step, self._unit = every_steps, per_step, unit
         self._held = None
@@ -85,7 +94,7 @@ class LogTrain:
         if self._held is None:
             return
         (step, sums), self._held = self._held, None
-        record = self._summarize(jax.device_get(sums))
+        record = self._summarize(jax.device_get(self._wait(sums)))
         now = time.perf_counter()
         last_step, last_time = self._last
         self._last = (step, now)
@@ -107,7 +116,9 @@ class WatchNonfinite:
     ``"halt"`` then stops the run.
     """
 
-    def __init__(self, workdir: str, policy: str, loss_scaling: bool, summarize: Callable):
+    def __init__(self, workdir: str, policy: str, loss_scaling: bool, summarize: Callable,
+                 wait: Callable[[Any], Any] = block):  # fmt: skip
+        self._wait = wait
         self._dir = storage.join(workdir, "nonfinite")
         self._policy, self._loss_scaling, self._summarize = policy, loss_scaling, summarize
         self._held: StepEnd | None = None
@@ -124,7 +135,7 @@ class WatchNonfinite:
             self._check(held)
 
     def _check(self, end: StepEnd) -> None:
-        if not int(jax.device_get(end.status["skipped"])):
+        if not int(jax.device_get(self._wait(end.status["skipped"]))):
             return
         metrics = self._summarize(jax.device_get(end.sums))
         finite = all(np.isfinite(v) for v in metrics.values() if isinstance(v, float))
@@ -169,7 +180,9 @@ class Profile:
       worker at once can be captured on demand while the run goes on.
     """
 
-    def __init__(self, directory: str, steps: str | None, port: int | None = None):
+    def __init__(self, directory: str, steps: str | None, port: int | None = None,
+                 wait: Callable[[Any], Any] = block):  # fmt: skip
+        self._wait = wait
         self._root = directory
         self._dir = storage.join(directory, f"process_{jax.process_index()}")
         self._range = tuple(int(x) for x in steps.split(",")) if steps else None
@@ -187,7 +200,7 @@ class Profile:
 
     def __call__(self, end: StepEnd) -> None:
         if self._tracing is not None and end.step >= self._range[1]:
-            jax.block_until_ready(end.sums)  # the traced steps, finished
+            self._wait(end.sums)  # the traced steps, finished
             self._stop_trace()
 
     def close(self) -> None:

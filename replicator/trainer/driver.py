@@ -87,7 +87,14 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
         )
     config_lib.write_json(config, storage.join(workdir, "config.json"))
     batches = repl.distribute(train_iter)
-    writer = MetricWriter(workdir, resume_step=start)
+    finished = start >= config.num_train_steps
+    if finished:
+        log.info(
+            "Already trained to step %d: evaluating only (%s keeps its records and summary "
+            "as they are)", start, storage.join(workdir, "metrics.jsonl")
+        )  # fmt: skip
+    # A finished run's records are whole: a rerun repeats no step and keeps its summary.
+    writer = MetricWriter(workdir, resume_step=start, enabled=False if finished else None)
     progress = ProgressBar(config.num_train_steps, start, enabled=False if quiet else None)
     actions = _actions(run, workdir, watch, writer, progress, checkpoints, batches, preemption,
                        start)  # fmt: skip
@@ -143,13 +150,20 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
              start: int) -> _Actions:  # fmt: skip
     config = run.config
 
+    def wait(tree):
+        """The loop waiting for the device: the steps in flight finish on the device's
+        time ("compute"), not the time of whatever waited for them."""
+        with watch.time("compute"):
+            return jax.block_until_ready(tree)
+
     def evaluate(state, step: int) -> dict[str, Any]:
+        wait(state)
         with watch.time("eval"):
             return _evaluate_and_write(run, writer, run.eval_state(state), step, workdir)
 
     def save(end: act.StepEnd) -> None:
+        wait(end.state)
         with watch.time("checkpoint"):
-            writer.sync()  # the records up to this step are in the bucket before it is
             ranked = {k: v for k, v in (end.eval_result or {}).items() if k == config.best_metric}
             checkpoints.save(
                 end.step,
@@ -157,18 +171,21 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
                 data_state={"iterator": batches.get_state().decode()},
                 config=config.to_dict(),
                 metrics=ranked or None,
+                before_commit=writer.sync,  # no checkpoint is listed before its records
             )
 
     per_step, unit = run.per_step_units()
     log_train = act.LogTrain(
         writer, progress, run.experiment.summarize,
         every_steps=config.log_every_steps, per_step=per_step, unit=unit, start=start,
+        wait=wait,
     )  # fmt: skip
     guard = act.WatchNonfinite(
-        workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize
-    )
+        workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize,
+        wait=wait,
+    )  # fmt: skip
     profile = act.Profile(
-        storage.join(workdir, "profile"), config.profile_steps, config.profile_port
+        storage.join(workdir, "profile"), config.profile_steps, config.profile_port, wait=wait
     )
     stop = act.Stop(checkpoints, preemption, flush=lambda: (guard.close(), log_train.close()))
     return _Actions(

@@ -101,7 +101,7 @@ def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: b
     if state is not None:
         record["state_bytes_per_device"] = sharding.bytes_per_device(state)
     if completed and steps > 1 and end.batch is not None and jax.process_index() == 0:
-        record |= _utilization(run, state, end.batch, steps - 1, watch)
+        record |= _utilization(run, state, end.batch, steps, watch)
     log.info("wall time: %s", ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()))
     if "mfu" in record:
         log.info(
@@ -117,8 +117,12 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     """The train step's FLOPs (XLA's count) and model FLOPs utilization over ``steps``.
 
     MFU = FLOPs per step x steps / compute time / peak FLOP/s of the mesh's
-    devices (`peak_flops_per_second`). Compute time excludes the first,
-    compiling step, as ``steps`` does.
+    devices (`peak_flops_per_second`). Compute time is the device's: the loop
+    counts as "compute" its dispatches and every wait for the device (the
+    non-finite check of the previous step, logging, before eval and saves), and
+    the first step's compilation apart, as "compile" (its execution is waited
+    for, and counted, like any other step's). An MFU above 1 would say the peak
+    is wrong, not the step: it is then left out, with a warning.
     """
     devices = list(run.repl.mesh.devices.flat)
     result: dict[str, Any] = {}
@@ -133,11 +137,14 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
         compute = watch.totals.get("compute", 0.0)
         peak = peak_flops_per_second(devices)
         if peak is not None and compute > 0 and flops > 0:
-            result |= {
-                "mfu": flops * steps / compute / peak[0],
-                "peak_flops_per_sec": peak[0],
-                "peak_source": peak[1],
-            }
+            mfu = flops * steps / compute / peak[0]
+            if mfu > 1:
+                log.warning(
+                    "No MFU: the train step ran at %.3g FLOP/s, above the peak it would be "
+                    "measured against (%.3g, %s)", flops * steps / compute, *peak
+                )  # fmt: skip
+            else:
+                result |= {"mfu": mfu, "peak_flops_per_sec": peak[0], "peak_source": peak[1]}
     except Exception as e:  # noqa: BLE001  (an instrument must not fail the run)
         log.warning("No FLOP count or MFU for the train step: %s", e)
     return result

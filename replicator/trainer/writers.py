@@ -11,10 +11,12 @@ record, so a run killed at any moment has lost nothing it reported.
 
 In a bucket (a ``gs://`` workdir), where objects cannot be appended to, each file
 is a `storage.Mirror`: the same local writes, uploaded whole in the background
-and, through `MetricWriter.sync`, whenever the trainer saves a checkpoint. A run
-killed at any moment then has on the bucket every record up to the checkpoint it
-resumes from; the later ones it redoes, as a local run does. Writing a record
-costs the step loop what it costs on a local disk.
+and, through `MetricWriter.sync`, as a part of every checkpoint save (the save's
+``before_commit``: Orbax commits the step only after the upload). A run killed at
+any moment then has on the bucket every record up to the checkpoint it resumes
+from; the later ones it redoes, as a local run does. A record torn by an upload
+racing a write is the last one, and dropped on resume like one torn by a crash.
+Writing a record costs the step loop what it costs on a local disk.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class MetricWriter:
 
     def sync(self) -> None:
         """Puts every record written so far in the workdir's bucket (local files: nothing
-        to do); the trainer calls it with each checkpoint."""
+        to do); the trainer's checkpoint saves call it, from Orbax's thread, before
+        they commit."""
         if self.enabled:
             self._mirror.sync()
             self._tensorboard.mirror.sync()
