@@ -109,7 +109,7 @@ def render(result: dict) -> str:
     lines = [
         "## DiLoCo",
         "",
-        "Islands that meet every H steps vs synchronous data parallelism, on 4 islands of",
+        "ReplicaGroups that meet every H steps vs synchronous data parallelism, on 4 islands of",
         "2 replicas (8 fake CPU devices; `benchmarks/diloco.py`, JAX "
         f"{result['jax']}). Bytes: what each device sends between islands per step,",
         "measured from the compiled train step's HLO (`rp.diloco.traffic`, ring model;",

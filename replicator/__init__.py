@@ -11,6 +11,7 @@ from replicator.context import ReplicaContext as ReplicaContext
 from replicator.context import get_replica_context as get_replica_context
 from replicator.context import replica_key as replica_key
 from replicator.diloco import DiLoCo as DiLoCo
+from replicator.errors import UserError as UserError
 from replicator.losses import compute_average_loss as compute_average_loss
 from replicator.losses import global_sum as global_sum
 from replicator.losses import scale_regularization_loss as scale_regularization_loss

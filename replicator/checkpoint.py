@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -44,7 +45,10 @@ from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint.future import CommitFutureAwaitingContractedSignals
 
 from replicator import storage
-from replicator.per_replica import PerReplica, is_per_replica, mark_like
+from replicator.errors import CheckpointMismatchError as CheckpointMismatchError
+from replicator.errors import CheckpointNotFoundError as CheckpointNotFoundError
+from replicator.errors import CorruptCheckpointError as CorruptCheckpointError
+from replicator.placement import Kind, PerReplica, is_per_replica, mark_like, sharding_for
 from replicator.runtime import compat
 
 if TYPE_CHECKING:
@@ -53,14 +57,6 @@ if TYPE_CHECKING:
 PyTree = Any
 log = logging.getLogger("replicator")
 _BARRIERS = itertools.count()  # every process moves the same steps aside, in the same order
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's parameters do not fit the model being restored."""
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A finalized checkpoint cannot be read (files truncated or missing)."""
 
 
 class Checkpoints:
@@ -123,6 +119,7 @@ class Checkpoints:
         storage.check_bucket(self.directory)  # a missing bucket: one line, not Orbax's retries
         self.repl = repl
         self.read_only = read_only
+        self._async = async_save
         self.restored_step: int | None = None
         self._keep_best = keep_best
         self._json: dict[int, dict[str, Any]] = {}  # step -> its JSON items, read with the state
@@ -220,12 +217,9 @@ class Checkpoints:
           config: a JSON-serialisable dict stored beside the state
             (`saved_config`).
           metrics: eval metrics of this step, ranked by ``keep_best``.
-          before_commit: called in the background while the arrays are written;
-            the checkpoint is committed only once it returned (if it raises, the
-            save fails, and `check_for_errors` or the next `save` raises). The
-            trainer passes the upload of its records to a bucket: no checkpoint
-            is ever listed whose records are missing, and the loop does not
-            wait for the upload.
+          before_commit: called in the background once `save` returned; the step
+            is committed only after it returns, and fails if it raises (the
+            trainer's upload of its records: never a checkpoint without them).
 
         Raises:
           Exception: the error of an earlier background save that failed.
@@ -245,18 +239,14 @@ class Checkpoints:
             moved = self._move_aside(step, "replaced")
             log.warning("Checkpoint step %d already existed; moved it to %s.", step, moved)
         self._json.pop(step, None)
-        items = {"state": ocp.args.PyTreeSave(_without_marks(state))}
-        if data_state is not None:
-            items["data"] = ocp.args.JsonSave(data_state)
-        if config is not None:
-            items["config"] = ocp.args.JsonSave(config)
-        if metrics:
-            # Written as Orbax's own "metrics" item, which its best-N policy reads
-            # (Orbax itself writes it only when the legacy best_fn option is set).
-            items["metrics"] = ocp.args.JsonSave(metrics)
-        if before_commit is not None:
-            items["before_commit"] = _BeforeCommit(before_commit)
-        self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+        returned = threading.Event()  # before_commit starts once the caller has its thread back
+        if not self._async:
+            returned.set()  # a synchronous save runs it before it returns
+        items = _save_items(state, data_state, config, metrics, before_commit, returned)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+        finally:
+            returned.set()
 
     def wait(self) -> None:
         """Blocks until the save in flight is finalized; raises its error if it failed."""
@@ -319,7 +309,7 @@ class Checkpoints:
           state = ckpt.restore(like=jax.eval_shape(init_state))   # the newest step
           params = ckpt.restore(like={"params": abstract.params}, step=100, partial=True)
         """
-        target = _without_marks(self._target(like))
+        target = _without_marks(_restore_target(like, self.repl))
 
         def read(step: int) -> PyTree:
             self._check_structure(step, target, partial=partial)
@@ -353,45 +343,6 @@ class Checkpoints:
         storage.write_text(storage.join(self.directory, str(step), "metrics", "metrics"),
                            json.dumps(metrics))  # fmt: skip
 
-    def _target(self, like: PyTree) -> PyTree:
-        """``like`` as `jax.ShapeDtypeStruct`s with the shardings to restore onto."""
-        repl = self.repl
-        devices = set(repl.mesh.devices.flat)
-
-        def place(path, x, per_replica: bool):
-            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-                return x  # Python scalars and strings come back as Orbax saved them
-            if per_replica or is_per_replica(x):
-                rows = x.shape[0] if x.shape else None
-                if rows != repl.num_replicas:
-                    raise CheckpointMismatchError(
-                        f"{_path_str(path)} is a per-replica value with {rows} rows, but this "
-                        f"Replicator has {repl.num_replicas} replicas. A per-replica value "
-                        f"restores only onto as many replicas as saved it: restore it onto "
-                        f"{rows} replicas, or reduce it before saving."
-                    )
-                sharding = repl.batch_sharding
-            else:
-                sharding = getattr(x, "sharding", None)
-                if not (
-                    isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == devices
-                ):
-                    sharding = repl.mirrored_sharding
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        def visit(path, node):
-            if isinstance(node, PerReplica):
-                return PerReplica(
-                    jax.tree_util.tree_map_with_path(
-                        lambda p, x: place(path + p, x, True), node.values
-                    )
-                )
-            return place(path, node, False)
-
-        return jax.tree_util.tree_map_with_path(
-            visit, like, is_leaf=lambda x: isinstance(x, PerReplica)
-        )
-
     def _restore_readable(
         self, step: int | None, read: Callable[[int], PyTree], strict: bool
     ) -> PyTree:
@@ -400,7 +351,7 @@ class Checkpoints:
         available = self.all_steps()
         if step is not None:
             if step not in available:
-                raise FileNotFoundError(
+                raise CheckpointNotFoundError(
                     f"No checkpoint for step {step} in {self.directory}; available steps: "
                     f"{available or 'none'}."
                 )
@@ -408,7 +359,7 @@ class Checkpoints:
             self.restored_step = step
             return result
         if not available:
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"No readable checkpoint in {self.directory}; available steps: none."
             )
         unreadable = []
@@ -435,11 +386,8 @@ class Checkpoints:
     def _set_aside_unreadable(self, step: int, error: Exception, *, instead: int) -> None:
         """Warns, in one line, of an unreadable step and moves it out of the way (unless
         ``read_only``); ``instead`` is the step restored."""
-        if self.read_only:
-            log.warning("%s; restored step %d instead.", error, instead)
-            return
-        moved = self._move_aside(step, "corrupt")
-        log.warning("%s; moved it to %s and restored step %d instead.", error, moved, instead)
+        moved = "" if self.read_only else f"moved it to {self._move_aside(step, 'corrupt')} and "
+        log.warning("%s; %srestored step %d instead.", error, moved, instead)
 
     def _set_aside_unfinished(self) -> None:
         """Moves the remains of saves cut short (a kill mid-save) out of the way. In a
@@ -505,12 +453,66 @@ class Checkpoints:
             )
         problems = _mismatches(_shapes(saved), _shapes(target), partial=partial)
         if problems:
-            shown = "\n  ".join(problems[:10])
-            more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
             raise CheckpointMismatchError(
                 f"Checkpoint at step {step} in {self.directory} does not fit the state to "
-                f"restore (saved vs expected):\n  {shown}{more}"
+                f"restore (saved vs expected):\n  {_listed(problems)}"
             )
+
+
+def _save_items(state, data_state, config, metrics, before_commit, returned) -> dict:
+    """`Checkpoints.save`'s Orbax items (see the module docstring)."""
+    items = {"state": ocp.args.PyTreeSave(_without_marks(state))}
+    if data_state is not None:
+        items["data"] = ocp.args.JsonSave(data_state)
+    if config is not None:
+        items["config"] = ocp.args.JsonSave(config)
+    if metrics:
+        # Written as Orbax's own "metrics" item, which its best-N policy reads
+        # (Orbax itself writes it only when the legacy best_fn option is set).
+        items["metrics"] = ocp.args.JsonSave(metrics)
+    if before_commit is not None:
+        items["before_commit"] = _BeforeCommit(before_commit, returned)
+    return items
+
+
+def _restore_target(like: PyTree, repl: Replicator) -> PyTree:
+    """``like`` as `jax.ShapeDtypeStruct`s with the shardings to restore onto ``repl``."""
+    devices = set(repl.mesh.devices.flat)
+
+    def place(path, x, per_replica: bool):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            return x  # Python scalars and strings come back as Orbax saved them
+        if per_replica or is_per_replica(x):
+            rows = x.shape[0] if x.shape else None
+            if rows != repl.num_replicas:
+                raise CheckpointMismatchError(
+                    f"{_path_str(path)} is a per-replica value with {rows} rows, but this "
+                    f"Replicator has {repl.num_replicas} replicas. A per-replica value "
+                    f"restores only onto as many replicas as saved it: restore it onto "
+                    f"{rows} replicas, or reduce it before saving."
+                )
+            sharding = sharding_for(Kind.PER_REPLICA, repl.mesh)
+        else:
+            sharding = getattr(x, "sharding", None)
+            if not (isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == devices):
+                sharding = sharding_for(Kind.MIRRORED, repl.mesh)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def visit(path, node):
+        if isinstance(node, PerReplica):
+            return PerReplica(
+                jax.tree_util.tree_map_with_path(lambda p, x: place(path + p, x, True), node.values)
+            )
+        return place(path, node, False)
+
+    return jax.tree_util.tree_map_with_path(
+        visit, like, is_leaf=lambda x: isinstance(x, PerReplica)
+    )
+
+
+def _listed(lines: list[str], limit: int = 10) -> str:
+    more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "\n  ".join(lines[:limit]) + more
 
 
 def _is_marked(x: Any) -> bool:
@@ -536,12 +538,15 @@ class _BeforeCommitHandler(ocp.AsyncCheckpointHandler):
 
     async def async_save(self, directory: epath.Path, args: _BeforeCommit):
         async def call() -> None:
+            # Not while `save` still blocks its caller: the callable (an upload) would
+            # compete with the device-to-host copy for the interpreter.
+            args.returned.wait()
             args.fn()
 
         return [CommitFutureAwaitingContractedSignals(call(), name="before_commit")]
 
     def save(self, directory: epath.Path, args: _BeforeCommit) -> None:
-        args.fn()
+        args.fn()  # a synchronous save: its caller waits for all of it anyway
 
     def restore(self, directory: epath.Path, args: _BeforeCommit | None = None) -> None:
         return None
@@ -551,6 +556,7 @@ class _BeforeCommitHandler(ocp.AsyncCheckpointHandler):
 @dataclasses.dataclass
 class _BeforeCommit(ocp.args.CheckpointArgs):
     fn: Callable[[], None] | None = None
+    returned: threading.Event | None = None  # set when `Checkpoints.save` has returned
 
 
 def _finish_saving(manager_ref: weakref.ref) -> None:
@@ -590,8 +596,18 @@ def _mismatches(saved: dict[str, tuple], expected: dict[str, tuple], *, partial:
 
 
 def _first_line(error: BaseException) -> str:
+    """The error's first line without tensorstore's spec dumps (``[tensorstore_spec=...``,
+    ``<bound method ... of TensorStore({...``), which say nothing to a reader.
+
+    >>> _first_line(ValueError("DATA_LOSS: bad manifest [tensorstore_spec={...}]"))
+    'DATA_LOSS: bad manifest'
+    """
     text = str(error).strip()
-    return text.splitlines()[0][:300] if text else repr(error)
+    if not text:
+        return repr(error)
+    line = re.split(r"\s*(?:\[tensorstore_spec=|<bound method |\bTensorStore\(\{)",
+                    text.splitlines()[0])[0]  # fmt: skip
+    return line.rstrip(" :;,")[:300]
 
 
 @contextlib.contextmanager

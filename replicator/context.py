@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import jax
 
+from replicator.errors import AxisNameError as AxisNameError
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaContext:
@@ -36,10 +38,6 @@ class ReplicaContext:
     def replica_id(self) -> jax.Array:
         """This replica's index in ``[0, num_replicas)``, a traced int32 scalar."""
         return jax.lax.axis_index(self.axis_name)
-
-
-class AxisNameError(NameError):
-    """A collective named an axis that is not the replicas' (``repl.axis_name``)."""
 
 
 _CURRENT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
@@ -118,20 +116,19 @@ def global_view() -> contextlib.AbstractContextManager:
     return _binding(_GLOBAL_VIEW, True)
 
 
-_ISLAND_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "island_axis", default=None
-)
+_GROUP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("group_axis", default=None)
 
 
-def island_axis() -> str | None:
-    """While `Replicator.compile` traces a DiLoCo step: the island axis (the step sees
-    one island's batch, the global view inside it); else None."""
-    return _ISLAND_AXIS.get()
+def group_axis() -> str | None:
+    """While `Replicator.compile` traces a step for DiLoCo's replica groups (`replicator.groups`):
+    the mesh axis they span (the step sees the batch of one index along it, the global
+    view inside that); else None."""
+    return _GROUP_AXIS.get()
 
 
-def island_view(axis: str) -> contextlib.AbstractContextManager:
-    """While `Replicator.compile` traces a step once per DiLoCo island."""
-    return _binding(_ISLAND_AXIS, axis)
+def group_view(axis: str) -> contextlib.AbstractContextManager:
+    """While `Replicator.compile` traces a step once per index of DiLoCo's ``axis``."""
+    return _binding(_GROUP_AXIS, axis)
 
 
 def replica_key(key: jax.Array) -> jax.Array:

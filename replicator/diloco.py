@@ -24,9 +24,14 @@ optimizer state travel through `Replicator.run` (and `Replicator.compile`, which
 runs such a step once per island in the global view of its batch) as
 per-island values, one row per island (placed so from a fresh state
 automatically); the outer parameters (`DiLoCoState.outer_params`, what to
-evaluate) are mirrored. `outer_view` gives a train state with the outer
-parameters in place of the islands'. `ElasticIslands` runs one island per
-process, for islands that may die.
+evaluate) are mirrored. Which axis the islands span travels with the state
+itself: the type of its `DiLoCoState` says it (`DiLoCoState.island_axis`,
+static, like a pytree's structure), so no Replicator needs telling;
+`replicator.groups` places such states and runs their programs. `outer_view`
+gives a train state with the outer parameters in place of the islands'.
+`ElasticIslands` (`replicator.runtime.elastic`) runs one island per process, for
+islands that may die; `traffic` (`replicator.hlo`) measures a step's bytes
+between islands.
 
 Streaming DiLoCo's knobs: ``fragments`` syncs the parameters in that many
 groups at staggered steps (peak traffic / fragments); ``overlap_steps`` applies
@@ -39,8 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -49,17 +53,18 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from replicator import per_replica as pr
 from replicator import zero
 from replicator.context import (
     get_replica_context,
+    group_axis,
     in_global_view,
-    island_axis,
     sum_varying,
     vary,
     varying_axes,
 )
+from replicator.hlo import traffic as traffic
 from replicator.runtime import compat
+from replicator.runtime.elastic import ElasticIslands as ElasticIslands
 
 PyTree = Any
 
@@ -130,6 +135,12 @@ class DiLoCo:
         offset = fragment * (self.inner_steps // self.fragments)
         return (count >= 1) & ((count + offset) % self.inner_steps == 0)
 
+    def outer_step(self, tree: PyTree, mean: Callable[[np.ndarray], np.ndarray]) -> PyTree:
+        """Every DiLoCo train state in ``tree`` after one outer step on the islands'
+        mean outer gradient, ``mean(island_delta(state))``: how `ElasticIslands`
+        syncs on the host (``mean``: over the processes alive)."""
+        return map_states(tree, lambda x: apply_mean_delta(self, x, mean(island_delta(x))))
+
 
 class DiLoCoState(NamedTuple):
     """The wrapped optimizer's state under DiLoCo.
@@ -144,6 +155,10 @@ class DiLoCoState(NamedTuple):
         ones at the last step (`settle` makes that exact).
       pending: per fragment, the outer gradient sent but not yet applied
         (``overlap_steps > 0``), else ``()``.
+      island_axis: the mesh axis whose replicas are the islands (None: no islands
+        on the mesh, e.g. elastic ones, one per process). Not a field: the
+        policy's axis, carried by the state's type (`state_type`), so it travels
+        with the state through jit, checkpoints and `Replicator.run`.
     """
 
     inner: PyTree
@@ -153,18 +168,44 @@ class DiLoCoState(NamedTuple):
     synced: jax.Array
     pending: tuple = ()
 
+    island_axis = None  # a class attribute: see `state_type`
+
+
+@functools.cache
+def state_type(island_axis: str | None) -> type[DiLoCoState]:
+    """`DiLoCoState` for islands along ``island_axis``: a subclass that says so, with the
+    same fields (hence the same leaves and key paths in checkpoints)."""
+    if island_axis is None:
+        return DiLoCoState
+    return type(
+        "DiLoCoState",
+        (DiLoCoState,),
+        {
+            "__slots__": (),
+            "__module__": __name__,
+            "island_axis": island_axis,
+            "__reduce__": lambda self: (_rebuild_state, (island_axis, tuple(self))),
+        },
+    )
+
+
+def _rebuild_state(island_axis: str | None, values: tuple) -> DiLoCoState:
+    return state_type(island_axis)._make(values)  # (a pickled state, unpickled)
+
 
 def wrap(
     tx: optax.GradientTransformationExtraArgs, policy: DiLoCo, axis_names: tuple[str, ...]
 ) -> optax.GradientTransformationExtraArgs:
     """``tx`` as DiLoCo's inner optimizer, under ``policy`` (see the module doc)."""
     outer_tx = policy.outer
+    # Elastic islands are processes: on the mesh, the replicas are one island.
+    make_state = state_type(None if policy.elastic else policy.axis)
 
     def init_fn(params):
         groups = fragment_leaves(params, policy.fragments)
         leaves = jax.tree.leaves(params)
         outer_params = jax.tree.map(jnp.array, params)  # a buffer of its own
-        return DiLoCoState(
+        return make_state(
             inner=tx.init(params),
             outer_params=outer_params,
             # float32, as the outer step computes (bf16 parameters included)
@@ -189,62 +230,64 @@ def wrap(
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, inner = tx.update(grads, state.inner, params, **extra)
         local = optax.apply_updates(params, updates)
-        count = state.count + 1
+        state = state._replace(inner=inner, count=state.count + 1)
         if policy.elastic:  # synced between steps, on the host (ElasticIslands)
-            return updates, state._replace(
-                inner=inner, count=count, synced=jnp.zeros_like(state.synced)
-            )
-        leaves, treedef = jax.tree.flatten(local)
-        outer_leaves = jax.tree.leaves(state.outer_params)
-        outer_states, synced, pending = list(state.outer), [], list(state.pending)
-        for f, group in enumerate(fragment_leaves(local, policy.fragments)):
-            mine = [leaves[i] for i in group]
-            theirs = [outer_leaves[i] for i in group]
-            if not policy.overlap_steps:
-                mine, theirs, outer_states[f] = jax.lax.cond(
-                    policy.syncs_at(count, f),
-                    lambda m, o, s: _apply_outer(outer_tx, reduce(m, o), m, o, s, 1.0),
-                    lambda m, o, s: (m, o, s),
-                    mine, theirs, outer_states[f],
-                )  # fmt: skip
-                synced.append(policy.syncs_at(count, f))
-            else:
-                # The gradient sent overlap_steps ago lands first; then this step's leaves.
-                mine, theirs, outer_states[f] = jax.lax.cond(
-                    policy.syncs_at(count - policy.overlap_steps, f),
-                    lambda m, o, s, p: _apply_outer(outer_tx, p, m, o, s, policy.mix),
-                    lambda m, o, s, p: (m, o, s),
-                    mine, theirs, outer_states[f], pending[f],
-                )  # fmt: skip
-                pending[f] = jax.lax.cond(
-                    policy.syncs_at(count, f),
-                    lambda m, o, p: reduce(m, o),
-                    lambda m, o, p: p,
-                    mine, theirs, pending[f],
-                )  # fmt: skip
-                synced.append(jnp.zeros((), bool))
-            for i, m, o in zip(group, mine, theirs):
-                leaves[i], outer_leaves[i] = m, o
-        new_local = jax.tree.unflatten(treedef, leaves)
+            return updates, state._replace(synced=jnp.zeros_like(state.synced))
+        new_local, state = _sync_fragments(policy, reduce, local, state)
         updates = jax.tree.map(lambda new, old: (new - old).astype(old.dtype), new_local, params)
-        new_state = DiLoCoState(
-            inner=inner,
-            outer_params=jax.tree.unflatten(treedef, outer_leaves),
-            outer=tuple(outer_states),
-            count=count,
-            synced=jnp.stack(synced),
-            pending=tuple(pending),
-        )
-        return updates, new_state
+        return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sync_fragments(policy: DiLoCo, reduce: Callable, local: PyTree, state: DiLoCoState):
+    """After inner step ``state.count``: the island's parameters (``local`` before) and
+    ``state`` with every fragment due sent, or its overlapped outer gradient applied."""
+    outer_tx, count = policy.outer, state.count
+    leaves, treedef = jax.tree.flatten(local)
+    outer_leaves = jax.tree.leaves(state.outer_params)
+    outer_states, synced, pending = list(state.outer), [], list(state.pending)
+    for f, group in enumerate(fragment_leaves(local, policy.fragments)):
+        mine = [leaves[i] for i in group]
+        theirs = [outer_leaves[i] for i in group]
+        if not policy.overlap_steps:
+            mine, theirs, outer_states[f] = jax.lax.cond(
+                policy.syncs_at(count, f),
+                lambda m, o, s: _apply_outer(outer_tx, reduce(m, o), m, o, s, 1.0),
+                lambda m, o, s: (m, o, s),
+                mine, theirs, outer_states[f],
+            )  # fmt: skip
+            synced.append(policy.syncs_at(count, f))
+        else:
+            # The gradient sent overlap_steps ago lands first; then this step's leaves.
+            mine, theirs, outer_states[f] = jax.lax.cond(
+                policy.syncs_at(count - policy.overlap_steps, f),
+                lambda m, o, s, p: _apply_outer(outer_tx, p, m, o, s, policy.mix),
+                lambda m, o, s, p: (m, o, s),
+                mine, theirs, outer_states[f], pending[f],
+            )  # fmt: skip
+            pending[f] = jax.lax.cond(
+                policy.syncs_at(count, f),
+                lambda m, o, p: reduce(m, o),
+                lambda m, o, p: p,
+                mine, theirs, pending[f],
+            )  # fmt: skip
+            synced.append(jnp.zeros((), bool))
+        for i, m, o in zip(group, mine, theirs):
+            leaves[i], outer_leaves[i] = m, o
+    return jax.tree.unflatten(treedef, leaves), state._replace(
+        outer_params=jax.tree.unflatten(treedef, outer_leaves),
+        outer=tuple(outer_states),
+        synced=jnp.stack(synced),
+        pending=tuple(pending),
+    )
 
 
 def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
     """The island axis (None: one island), the axes inside an island, how many
     islands, and by what to scale the gradients to the island's mean."""
     if in_global_view():  # repl.compile: the step sees one island's batch, or all
-        axis = island_axis()
+        axis = group_axis()
         if axis is None or policy.elastic:
             return None, (), 1, 1
         islands = jax.lax.axis_size(axis)  # losses scaled by the global batch, as in run
@@ -365,50 +408,16 @@ def settle(params: PyTree, opt_state: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def island_args(args: tuple, islands: int, to_rows) -> tuple:
-    """``args`` with the parameters and inner optimizer state of every `rp.TrainState`
-    under DiLoCo as per-island values, as `Replicator.run` needs them: a fresh
-    state's (mirrored, shaped like the outer parameters) become one row per island
-    through ``to_rows``; stacked ones (``run``'s outputs, a restored checkpoint)
-    are marked per-island."""
-
-    def place(x):
-        if not _is_state(x):
-            return x
-        island = (x.params, x.opt_state.inner)
-        shapes = [np.shape(p) for p in jax.tree.leaves(x.params)]
-        outer = [np.shape(o) for o in jax.tree.leaves(x.opt_state.outer_params)]
-        if shapes == outer:
-            params, inner = to_rows(island)
-            return x.replace(params=params, opt_state=x.opt_state._replace(inner=inner))
-        if shapes != [(islands, *s) for s in outer]:
-            raise ValueError(
-                f"A DiLoCo train state's parameters have shapes {shapes[:3]}..., neither the "
-                f"outer parameters' {outer[:3]}... nor one row per island of them "
-                f"({islands} islands): it was saved on another mesh. Evaluate its outer "
-                "parameters (rp.diloco.outer_view), or train on the mesh that saved it."
-            )
-        for leaf in jax.tree.leaves(island):  # run's own outputs are known already
-            if (
-                isinstance(leaf, jax.Array)
-                and leaf.ndim
-                and leaf.shape[0] == islands
-                and pr.known_kind(leaf) is None
-            ):
-                pr.remember(leaf, pr.Kind.PER_ISLAND)
-        return x
-
-    return jax.tree.map(place, args, is_leaf=_is_state)
+def map_states(tree: PyTree, fn: Callable[[Any], Any]) -> PyTree:
+    """``tree`` with each DiLoCo train state ``x`` (an `rp.TrainState` whose optimizer
+    state is a `DiLoCoState`) replaced by ``fn(x)``."""
+    return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, tree, is_leaf=_is_state)
 
 
 def outer_view(tree: PyTree) -> PyTree:
     """``tree`` with each DiLoCo `rp.TrainState`'s ``params`` replaced by its outer
     parameters (mirrored, one copy): the model to evaluate, export or serve."""
-
-    def view(x):
-        return x.replace(params=x.opt_state.outer_params) if _is_state(x) else x
-
-    return jax.tree.map(view, tree, is_leaf=_is_state)
+    return map_states(tree, lambda x: x.replace(params=x.opt_state.outer_params))
 
 
 def map_islands(tree: PyTree, fn) -> PyTree:
@@ -416,12 +425,10 @@ def map_islands(tree: PyTree, fn) -> PyTree:
     ``fn((params, inner))``: e.g. stacked one row per island, or their shardings."""
 
     def apply(x):
-        if not _is_state(x):
-            return x
         params, inner = fn((x.params, x.opt_state.inner))
         return x.replace(params=params, opt_state=x.opt_state._replace(inner=inner))
 
-    return jax.tree.map(apply, tree, is_leaf=_is_state)
+    return map_states(tree, apply)
 
 
 def outer_bytes(tree: PyTree) -> int:
@@ -435,6 +442,19 @@ def has_states(tree: PyTree) -> bool:
     return any(_is_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_state))
 
 
+def island_axis_of(tree: PyTree) -> str | None:
+    """The mesh axis the islands of the DiLoCo train states in ``tree`` span (their
+    `DiLoCoState.island_axis`), or None: no such state, or none with islands on a mesh."""
+    states = [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
+    axes = sorted({s.opt_state.island_axis for s in states} - {None})
+    if len(axes) > 1:
+        raise ValueError(
+            f"DiLoCo train states with islands along different axes {axes} in one call: "
+            "run or compile a step on states of one policy axis at a time."
+        )
+    return axes[0] if axes else None
+
+
 def _is_state(x: Any) -> bool:
     """Whether ``x`` is a train state under DiLoCo: an `rp.TrainState` (or any object
     with ``params``, ``replace`` and a `DiLoCoState` as ``opt_state``)."""
@@ -442,58 +462,6 @@ def _is_state(x: Any) -> bool:
 
 
 # ------------------------------------------------------------------ elastic
-
-
-class ElasticIslands:
-    """DiLoCo across processes that may die: each process is one island.
-
-    Each process trains on its own devices (``rp.Replicator(devices=
-    jax.local_devices())``, data parallelism inside the island) with
-    ``repl.wrap_optimizer(tx, sync=policy)`` where ``policy.elastic`` is set;
-    every ``inner_steps`` the loop calls `sync`, which averages the islands'
-    outer gradients over the processes alive at that moment (membership check,
-    then one mean through JAX's coordination service:
-    `replicator.runtime.elastic.LiveGroup`) and applies the outer step. An
-    island that died is dropped at the next sync and the survivors finish the
-    run with the same parameters, bitwise. A sync that cannot complete within
-    ``timeout_s`` raises `SyncTimeout` naming the missing processes; exit with
-    ``EXIT_SYNC_TIMEOUT`` and restart from the last checkpoint.
-
-    Start the processes with ``rp.initialize(recoverable=True,
-    heartbeat_timeout_s=...)``: a process counts as dead after that long
-    without a heartbeat. Process 0 must survive (it serves the coordination
-    service; when it dies, every process stops).
-
-    Args:
-      policy: the `DiLoCo` policy given to ``wrap_optimizer`` (``elastic=True``).
-      timeout_s: the longest one sync may take (from the first island to reach it).
-    """
-
-    def __init__(self, policy: DiLoCo, *, timeout_s: float = 120.0):
-        from replicator.runtime.elastic import LiveGroup
-
-        if not policy.elastic:
-            raise ValueError("ElasticIslands needs DiLoCo(..., elastic=True).")
-        self.policy = policy
-        self.group = LiveGroup(timeout_s=timeout_s, prefix="diloco")
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The processes that took part in the last sync."""
-        return self.group.members
-
-    def sync(self, tree: PyTree) -> PyTree:
-        """Every DiLoCo train state in ``tree`` after a sync over the live islands."""
-        return jax.tree.map(
-            lambda x: apply_mean_delta(self.policy, x, self.group.mean(island_delta(x)))
-            if _is_state(x) else x,
-            tree,
-            is_leaf=_is_state,
-        )  # fmt: skip
-
-    def close(self) -> None:
-        """Leaves the run in an order JAX's runtime survives (process 0 last)."""
-        self.group.close()
 
 
 def island_delta(state: Any) -> np.ndarray:
@@ -534,79 +502,3 @@ def _outer_step(outer_tx, state, mean):
             synced=jnp.ones_like(state.opt_state.synced),
         ),
     )
-
-
-# ------------------------------------------------------------------ traffic
-
-_COLLECTIVE = re.compile(r" = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_BRANCHES = re.compile(
-    r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
-)
-
-
-def traffic(hlo: str, mesh: jax.sharding.Mesh, axis: str) -> dict[str, int]:
-    """Bytes that cross ``axis`` (between islands) in one compiled step, from its HLO.
-
-    Args:
-      hlo: ``lowered.compile().as_text()`` of the step.
-      mesh: the mesh it was compiled for (logical device ``i`` is
-        ``mesh.devices.flat[i]``).
-      axis: the island axis.
-
-    Returns:
-      ``{"every_step": ..., "in_branches": ...}``: bytes each device sends in
-      collectives whose groups span several islands (ring model: an all-reduce
-      of ``n`` bytes over ``g`` devices sends ``2n(g-1)/g``; an all-gather,
-      all-to-all or reduce-scatter, ``(g-1)/g`` of its larger side), outside any
-      conditional (paid every step) and inside one (paid when taken: the sync).
-    """
-    position = mesh.axis_names.index(axis)
-    island_of = lambda i: np.unravel_index(i, mesh.devices.shape)[position]  # noqa: E731
-    branches = {
-        name.strip().lstrip("%")
-        for match in _BRANCHES.finditer(hlo)
-        for name in (match.group(1) or match.group(2)).split(",")
-    }
-    totals, computation = {"every_step": 0, "in_branches": 0}, None
-    for line in hlo.splitlines():
-        if line.rstrip().endswith("{") and not line.startswith(" "):
-            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-        op = _COLLECTIVE.search(line)
-        groups = _groups(line) if op else []
-        if not any(len({island_of(i) for i in g}) > 1 for g in groups):
-            continue
-        g = len(groups[0])
-        size = sum(
-            jnp.dtype(_DTYPES.get(dtype, dtype)).itemsize
-            * math.prod(int(d) for d in dims.split(",") if d)
-            for dtype, dims in _ARRAY.findall(op.group(1))
-        )
-        if op.group(2) == "reduce-scatter":
-            size *= g  # the result is one slice; the operand was g of them
-        share = (2 if op.group(2) == "all-reduce" else 1) * size * (g - 1) // g
-        totals["in_branches" if computation in branches else "every_step"] += share
-    return totals
-
-
-_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
-           "s32": "int32", "u32": "uint32", "s8": "int8", "u8": "uint8", "pred": "bool",
-           "s64": "int64", "u64": "uint64"}  # fmt: skip
-
-
-def _groups(line: str) -> list[list[int]]:
-    """The replica groups of one HLO collective (explicit, or iota ``[g,s]<=[dims]T(perm)``)."""
-    explicit = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
-    if explicit:
-        return [
-            [int(i) for i in g.split(",") if i]
-            for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))
-        ]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if not iota:
-        return []
-    count, size = int(iota.group(1)), int(iota.group(2))
-    ids = np.arange(count * size).reshape([int(d) for d in iota.group(3).split(",")])
-    if iota.group(4):
-        ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-    return ids.reshape(count, size).tolist()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from replicator.context import (
     get_replica_context,
-    island_axis,
+    group_axis,
     note_global_batch_loss,
     num_microbatches,
     vary,
@@ -97,10 +97,10 @@ def scale_regularization_loss(regularization_loss: jax.typing.ArrayLike) -> jax.
 
 def _replicas() -> int:
     """How many views of the batch the step being traced is one of: the replicas under
-    `Replicator.run`, the islands under `compile` with DiLoCo (each sees one island's
+    `Replicator.run`, the groups under `compile` with DiLoCo (each sees one group's
     batch), else 1."""
-    ctx, island = get_replica_context(), island_axis()
-    return ctx.num_replicas if ctx else jax.lax.axis_size(island) if island else 1
+    ctx, group = get_replica_context(), group_axis()
+    return ctx.num_replicas if ctx else jax.lax.axis_size(group) if group else 1
 
 
 def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
@@ -116,9 +116,9 @@ def global_sum(x: jax.typing.ArrayLike) -> jax.Array:
     2.0
     """
     total = jnp.sum(jnp.asarray(x))
-    ctx, island = get_replica_context(), island_axis()
-    if ctx is None and island is not None:  # compile under DiLoCo: add up the islands
-        return jax.lax.psum(vary(total, (island,)), island)
+    ctx, group = get_replica_context(), group_axis()
+    if ctx is None and group is not None:  # compile under DiLoCo: add up the groups
+        return jax.lax.psum(vary(total, (group,)), group)
     if ctx is None:
         return total
     # A replica-invariant value is counted once per replica.

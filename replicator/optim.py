@@ -8,6 +8,11 @@ multiply it by the number of replicas (Adam's normalisation hides that mistake,
 SGD does not). So the wrapper all-reduces exactly the gradient leaves that still
 vary across the replica axes, and leaves the others alone. Under
 `Replicator.compile` nothing varies and the wrapper is the identity.
+
+`wrap_optimizer` composes two wrappers, each with exactly the inner state:
+`sum_gradients` around `replicator.zero.shard_optimizer` (ZeRO's updates on
+slices, where `Replicator.run` has sharded arguments) around the optimizer; or,
+under DiLoCo, `replicator.diloco.wrap`.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def wrap_optimizer(
     Args:
       tx: any optax transformation.
       axis_names: the replica axes of the mesh.
-      sync: None (every step, all replicas) or `rp.DiLoCo`: islands that sum
+      sync: None (every step, all replicas) or `rp.DiLoCo`: groups that sum
         gradients among their own replicas and meet every ``inner_steps``.
 
     Returns:
@@ -60,12 +65,31 @@ def wrap_optimizer(
         if not isinstance(sync, diloco.DiLoCo):
             raise TypeError(f"sync must be None or rp.DiLoCo(...), got {sync!r}.")
         return diloco.wrap(tx, sync, axis_names)
+    return sum_gradients(zero.shard_optimizer(tx, axis_names), axis_names)
+
+
+def sum_gradients(
+    tx: optax.GradientTransformationExtraArgs, axis_names: Sequence[str]
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` applied to the gradients `sum_across_replicas` gives; ``tx``'s state.
+
+    Args:
+      tx: an optax transformation with extra-args support.
+      axis_names: the replica axes of the mesh.
+
+    Returns:
+      The transformation, which also notes for the step's checks that it trains.
+
+    >>> import jax.numpy as jnp
+    >>> tx = sum_gradients(optax.with_extra_args_support(optax.sgd(0.5)), ("data",))
+    >>> tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))[0]["w"]
+    Array([-0.5, -0.5], dtype=float32)
+    """
+    axis_names = tuple(axis_names)
 
     def update_fn(updates, state, params=None, **extra_args):
         warn_if_loss_not_averaged()
         precision.note_training()
-        if zero.active():  # sharded parameters under run
-            return zero.update(tx, updates, state, params, axis_names, **extra_args)
         return tx.update(sum_across_replicas(updates, axis_names), state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -13,10 +13,11 @@ state (BatchNorm statistics, RNG counters) is never cast: statistics are
 accumulated in float32 whatever the compute dtype.
 
 fp16's narrow exponent range needs a loss scale: `LossScale` multiplies the
-loss before differentiation, and the train state unscales the gradients, skips
-the update when they are not finite (one decision for all replicas, since the
-gradients are all-reduced first), halves the scale then, and doubles it after
-``growth_interval`` good steps, up to ``max_scale``.
+loss before differentiation, and the train state (through
+`replicator.transforms`) unscales the gradients, skips the update when they are
+not finite (one decision for all replicas, since the gradients are all-reduced
+first), halves the scale then, and doubles it after ``growth_interval`` good
+steps, up to ``max_scale``.
 """
 
 from __future__ import annotations

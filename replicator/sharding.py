@@ -13,13 +13,21 @@ One table of rules says where each parameter lives on the ``("data", "fsdp",
   ``(r".*kernel", ("fsdp", None))``. This is for models without annotations; a
   path rule that matches wins over the annotations.
 
+A logical rule may name several mesh axes, MaxText's way: ``("embed", ("fsdp",
+"data"))`` splits the dimension over both (a key that is a plain name with a
+tuple of axis names is always such a rule, never a path regex). Rules whose
+logical axis starts with ``activation_`` are for the model's activations
+(``nn.with_logical_constraint``), so matching no parameter is expected of them.
+
 Rules are tried in order and the first that applies wins. On top of the rules,
 the ``fsdp`` axis always means "split the parameters over these replicas": a
 parameter of at least ``min_size`` elements that no rule split over ``fsdp``
 gets its largest dimension divisible by the ``fsdp`` size split over it
-(ZeRO/FSDP). Parameters below ``min_size`` stay replicated whatever the rules:
-gathering them would cost more than they weigh. Mesh axes of size 1 are dropped
-from the specs, so on one device every spec is ``P()``.
+(ZeRO/FSDP). ``min_size`` is the threshold of this automatic FSDP, as in
+big_vision: rules given explicitly apply whatever the size, while with the
+default rules parameters below ``min_size`` stay replicated (gathering them
+would cost more than they weigh). Mesh axes of size 1 are dropped from the
+specs, so on one device every spec is ``P()``.
 
 Mistakes are named, never silent and never an XLA error: a rule that matches
 nothing, a rule naming an axis the mesh lacks, a logical axis two rules claim, a
@@ -49,6 +57,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from replicator.errors import ShardingError as ShardingError
+
 PyTree = Any
 Rule = tuple[str, Any]
 
@@ -62,10 +72,6 @@ MIN_SHARD_SIZE = 2**14
 
 _AUTO_FSDP = "auto fsdp (largest divisible dimension)"
 _SMALL = "below min_size: replicated"
-
-
-class ShardingError(ValueError):
-    """Rules that do not fit the model or the mesh (raised under ``strict=True``)."""
 
 
 class ShardingWarning(UserWarning):
@@ -126,8 +132,9 @@ def param_shardings(
         per_dimension_axes)`` pairs (see the module docstring); None means
         `DEFAULT_RULES`. Explicit rules replace the defaults.
       strict: raise a `ShardingError` for every problem instead of warning.
-      min_size: parameters with fewer elements stay replicated, and are never
-        reported as left replicated.
+      min_size: parameters with fewer elements get no automatic FSDP and are
+        never reported as left replicated; with the default rules (``rules``
+        None) they stay replicated altogether.
 
     Returns:
       The same structure as ``abstract_params`` (boxes kept, holding the
@@ -168,9 +175,11 @@ def plan_param_shardings(
         value = node.value if _is_box(node) else node
         names = tuple(node.names) if isinstance(node, nn.Partitioned) else None
         logical = isinstance(node, nn.LogicallyPartitioned)
+        small = math.prod(np.shape(value)) < min_size
         placement = _place(
-            _path_str(path), value, names, logical, parsed, mesh, min_size, used, problems
-        )
+            _path_str(path), value, names, logical, parsed, mesh, small, rules is None, used,
+            problems,
+        )  # fmt: skip
         placements.append(placement)
         sharding = NamedSharding(mesh, placement.spec)
         out.append(node.replace_boxed(sharding) if _is_box(node) else sharding)
@@ -184,12 +193,13 @@ def plan_param_shardings(
 class _Rule:
     index: int
     key: str
-    target: Any  # logical rule: a mesh axis or None; path rule: a tuple of axis tuples
+    target: Any  # logical rule: a tuple of mesh axes (empty: whole); path rule: axis tuples
     pattern: re.Pattern | None  # path rules only
 
     def __str__(self) -> str:
         if self.pattern is None:
-            return repr((self.key, self.target))
+            target = self.target[0] if len(self.target) == 1 else self.target or None
+            return repr((self.key, target))
         entries = tuple(None if not e else e[0] if len(e) == 1 else e for e in self.target)
         return repr((self.key, entries))
 
@@ -203,16 +213,9 @@ def _parse_rules(rules: Sequence[Rule], mesh: Mesh, problems: _Problems) -> list
                 "(path_regex, (mesh axis or None, ...)) with one entry per dimension."
             )
         key, target = rule
-        if isinstance(target, tuple | list | P):
-            try:
-                pattern = re.compile(key)
-            except re.error as e:
-                raise ShardingError(f"Sharding rule {tuple(rule)!r}: bad path regex: {e}.") from e
-            entries = tuple(_known_axes(_as_axes(e), rule, mesh, problems) for e in target)
-            parsed.append(_Rule(index, key, entries, pattern))
-        elif target is None or isinstance(target, str):
+        if _names_mesh_axes(key, target):  # ("embed", ("fsdp", "data")): logical
             known = _known_axes(_as_axes(target), rule, mesh, problems)
-            parsed.append(_Rule(index, key, known[0] if known else None, None))
+            parsed.append(_Rule(index, key, known, None))
             if key in claimed:
                 problems.add(
                     "claimed",
@@ -221,12 +224,37 @@ def _parse_rules(rules: Sequence[Rule], mesh: Mesh, problems: _Problems) -> list
                 )
             else:
                 claimed[key] = tuple(rule)
+        elif isinstance(target, tuple | list | P):
+            try:
+                pattern = re.compile(key)
+            except re.error as e:
+                raise ShardingError(f"Sharding rule {tuple(rule)!r}: bad path regex: {e}.") from e
+            entries = tuple(_known_axes(_as_axes(e), rule, mesh, problems) for e in target)
+            parsed.append(_Rule(index, key, entries, pattern))
         else:
             raise TypeError(
                 f"Sharding rule {tuple(rule)!r}: the second element must be a mesh axis "
                 "name, None, or a tuple with one entry per dimension."
             )
     return parsed
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _names_mesh_axes(key: str, target: Any) -> bool:
+    """Whether a rule is a logical one: a mesh axis or None, or (MaxText's form) a plain
+    name with a tuple of mesh axis names (a path rule's tuple has one entry per
+    dimension, and its key is a regex)."""
+    if target is None or isinstance(target, str):
+        return True
+    return (
+        isinstance(target, tuple | list)
+        and not isinstance(target, P)
+        and bool(target)
+        and all(isinstance(t, str) for t in target)
+        and _NAME.fullmatch(key) is not None
+    )
 
 
 def _as_axes(entry: Any) -> tuple[str, ...]:
@@ -246,7 +274,9 @@ def _known_axes(axes: tuple[str, ...], rule: Any, mesh: Mesh, problems: _Problem
     return tuple(a for a in axes if a in mesh.axis_names)
 
 
-def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -> Placement:
+def _place(path, value, names, logical, rules, mesh, small, by_default, used, problems):
+    """The `Placement` of one parameter; ``small``: below min_size; ``by_default``: the
+    rules are the default ones (which leave small parameters whole)."""
     shape = tuple(np.shape(value))
     dtype = _dtype(value)
     size = math.prod(shape)
@@ -257,7 +287,7 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
         used.add(path_rule.index)
     if logical:
         used.update(r.index for r in rules if r.pattern is None and r.key in names)
-    if size < min_size:
+    if small and by_default:
         return Placement(path, shape, dtype, P(), (_SMALL,))
 
     entries: list[tuple[str, ...]] = [()] * len(shape)
@@ -276,7 +306,7 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
         for dim, name in enumerate(names):
             rule = _logical_rule(name, rules, {a for e in entries for a in e})
             if rule is not None:
-                entries[dim], why[dim] = (rule.target,), str(rule)
+                entries[dim], why[dim] = rule.target, str(rule)
     elif names is not None:
         entries = [tuple(a for a in _as_axes(n) if a in mesh.axis_names) for n in names]
         why = [f"nn.Partitioned{tuple(names)!r}"] * len(shape)
@@ -287,13 +317,16 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
     reasons = [why[dim] for dim in range(len(shape)) if entries[dim]]
 
     fsdp = mesh.shape.get("fsdp", 1)
-    if fsdp > 1 and not any("fsdp" in e for e in entries):
+    if small:
+        if not any(entries):
+            reasons.append(_SMALL)
+    elif fsdp > 1 and not any("fsdp" in e for e in entries):
         free = [d for d in range(len(shape)) if not entries[d] and shape[d] % fsdp == 0]
         if free:
             dim = max(free, key=lambda d: (shape[d], -d))
             entries[dim] = ("fsdp",)
             reasons.append(_AUTO_FSDP)
-    if not any(entries) and _is_sharded(mesh) and not undivided:
+    if not any(entries) and _is_sharded(mesh) and not undivided and not small:
         problems.add(
             "replicated",
             f"{path} {shape} ({size:,} elements, {_format_bytes(size * dtype.itemsize)}) is "
@@ -305,9 +338,9 @@ def _place(path, value, names, logical, rules, mesh, min_size, used, problems) -
 def _logical_rule(name: str | None, rules: list[_Rule], taken: set[str]) -> _Rule | None:
     for rule in rules:
         if rule.pattern is None and rule.key == name and name is not None:
-            if rule.target is None:
+            if not rule.target:
                 return None
-            if rule.target not in taken:
+            if not taken.intersection(rule.target):
                 return rule
     return None
 
@@ -348,7 +381,7 @@ def _check_unused(rules, used, placements, nodes, problems) -> None:
     )
     example = placements[0].path if placements else "(no parameters)"
     for rule in rules:
-        if rule.index in used:
+        if rule.index in used or (rule.pattern is None and rule.key.startswith("activation_")):
             continue
         if rule.pattern is None:
             where = f"no parameter has logical axis {rule.key!r} (the model's: {logical_names})"
@@ -567,19 +600,23 @@ def sharding_report(
         ((x, path) for path, x in flat if _replicated(x)),
         key=lambda item: -_nbytes(np.shape(item[0]), _dtype(item[0])),
     )
-    if _is_sharded(mesh):
-        lines += ["", "Largest parameters left replicated:"]
-        lines += [
-            f"  {_path_str(prefix + path):<48}{str(np.shape(x)):>16}"
-            f"{_format_bytes(_nbytes(np.shape(x), _dtype(x))):>12}"
-            for x, path in left[:5]
-        ] or ["  none"]
-
-    lines += ["", "What sharded the parameters:"]
     if rules_used is not None and not isinstance(rules_used, ShardingPlan):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ShardingWarning)
             rules_used = plan_param_shardings(params, mesh, rules_used)
+    if _is_sharded(mesh):
+        why = {}
+        if isinstance(rules_used, ShardingPlan):
+            why = {p.path: _why_whole(p) for p in rules_used.placements}
+        lines += ["", "Largest parameters left replicated, and why:"]
+        lines += [
+            f"  {_path_str(prefix + path):<48}{str(np.shape(x)):>16}"
+            f"{_format_bytes(_nbytes(np.shape(x), _dtype(x))):>12}"
+            f"  {why.get(_path_str(path), '')}".rstrip()
+            for x, path in left[:5]
+        ] or ["  none"]
+
+    lines += ["", "What sharded the parameters:"]
     if isinstance(rules_used, ShardingPlan):
         by_reason = collections.defaultdict(list)
         for placement in rules_used.placements:
@@ -599,6 +636,14 @@ def sharding_report(
         for spec, paths in by_spec.items():
             lines.append(f"  {spec}: {len(paths)} parameters, e.g. {paths[0]}")
     return "\n".join(lines)
+
+
+def _why_whole(placement: Placement) -> str:
+    if _SMALL in placement.reasons:
+        return "below min_size"
+    if placement.reasons:
+        return "its rule's axes have size 1 here"
+    return "no rule splits it and no dimension divides over fsdp"
 
 
 def _replicated(x: Any) -> bool:

@@ -3,7 +3,9 @@
 `TrainState.value_and_grad` differentiates a loss the way the run is configured
 (microbatches, loss scale) and `TrainState.apply_gradients` applies the update
 unless the gradients are not finite. Step functions written with them need no
-change for gradient accumulation or fp16.
+change for gradient accumulation or fp16. Each method composes one-concern
+pieces (`replicator.transforms`, and `replicator.zero` for sharded parameters);
+what they keep between steps lives in this state's own fields.
 
 Non-trainable model state (BatchNorm's ``batch_stats``, counters) lives in
 ``model_state``: the loss function receives it and returns its new value, which
@@ -20,15 +22,10 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator import diloco, precision, zero
-from replicator.context import (
-    get_replica_context,
-    island_axis,
-    microbatching,
-    vary,
-    varying_axes,
-)
+from replicator import diloco, transforms, zero
+from replicator.context import get_replica_context
 from replicator.precision import LossScale, Policy, get_policy
+from replicator.transforms import all_finite as all_finite  # where the benchmarks import it
 
 PyTree = Any
 
@@ -107,75 +104,33 @@ class TrainState:
     ) -> tuple[Any, PyTree]:
         """``jax.value_and_grad(loss_fn)(self.params, batch)``, accumulated and scaled.
 
-        With ``grad_accum_steps = k`` each replica's batch is split into k
-        microbatches on its leading axis, differentiated one at a time in a
-        compiled loop (peak activation memory: one microbatch), and the losses,
-        gradients and ``aux`` are summed. `compute_average_loss` divides every
-        microbatch by the full global batch, so the sum is exactly the big-batch
-        loss and gradient (not a mean of microbatch means). Inside `Replicator.run`
-        the gradients are summed across replicas once, after the loop.
-
-        With a ``model_state``, ``loss_fn(params, model_state, batch)`` returns
-        ``(loss, new_model_state)`` (or ``(loss, (new_model_state, aux))`` with
-        ``has_aux``); every microbatch starts from the same ``model_state`` and
-        the new states' floating leaves (statistics) are averaged over the
-        microbatches, never summed; other leaves (counters, keys) keep the last
-        microbatch's. Pass the result to `apply_gradients`.
-
-        With a loss scale, the loss is scaled before differentiation and the
-        gradients unscaled after; the loss returned is unscaled.
+        The pieces (`replicator.transforms`, `replicator.zero`): the loss scaled
+        and the gradients unscaled by ``loss_scale``; ``grad_accum_steps``
+        microbatches, their losses, gradients and ``aux`` summed, their new model
+        states averaged; under `Replicator.run`, sharded parameters' gradients
+        left for the optimizer to reduce-scatter. Pass them to `apply_gradients`.
 
         Args:
-          loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)`` with
-            ``has_aux``; with a model state, as above. ``aux`` leaves must be
-            sums (they are added up).
+          loss_fn: ``loss_fn(params, batch) -> loss``, or ``(loss, aux)`` with
+            ``has_aux`` (``aux`` leaves are sums); with a ``model_state``,
+            ``loss_fn(params, model_state, batch) -> (loss, new_model_state)`` or
+            ``(loss, (new_model_state, aux))``.
           batch: this replica's batch.
           has_aux: whether ``loss_fn`` returns ``aux``.
 
         Returns:
-          ``(value, grads)``, where ``value`` has the structure of ``loss_fn``'s
-          result: ``loss``, ``(loss, aux)``, ``(loss, new_model_state)`` or
-          ``(loss, (new_model_state, aux))``.
+          ``(value, grads)``, ``value`` shaped as ``loss_fn``'s result (unscaled).
         """
-        scale = self.loss_scale
-        with_state = self.model_state is not None
-
-        if scale is not None:
-            precision.note_applied()
-
-        def scaled_loss(params, microbatch):
-            if with_state:
-                loss, rest = loss_fn(params, self.model_state, microbatch)
-                new_state, aux = rest if has_aux else (rest, None)
-            else:
-                out = loss_fn(params, microbatch)
-                (loss, aux), new_state = (out if has_aux else (out, None)), None
-            return (scale.scale_loss(loss) if scale else loss), (loss, new_state, aux)
-
-        grad_fn = jax.grad(scaled_loss, has_aux=True)
-        k = self.grad_accum_steps
-        # Sharded parameters under run (ZeRO): their gradients stay per replica, to be
-        # reduce-scattered by the wrapped optimizer rather than all-reduced whole.
-        params, unsummed = zero.unsummed(self.params)
-        if k == 1:
-            grads, out = grad_fn(params, batch)
-        else:
-            grads, out = _accumulate(grad_fn, params, batch, k)
-        if unsummed or (k > 1 and get_replica_context()):
-            # Varying parameters make a value computed from them alone vary too.
-            first = jax.tree.map(lambda x: x[: x.shape[0] // k], batch)
-            with microbatching(k):
-                reference = jax.eval_shape(scaled_loss, self.params, first)[1]
-            out = _as_invariant_as(out, reference)
-        loss, new_state, aux = out
-        if scale:
-            grads = scale.unscale(grads)
-        grads = zero.summed(grads, unsummed)
-        if with_state:
-            value = (loss, (new_state, aux) if has_aux else new_state)
-        else:
-            value = (loss, aux) if has_aux else loss
-        return value, grads
+        k, scale = self.grad_accum_steps, self.loss_scale
+        loss = transforms.scale_loss(_split_loss(loss_fn, self.model_state, has_aux), scale)
+        grad_fn = transforms.accumulate_gradients(jax.grad(loss, has_aux=True), k)
+        if zero.defers_gradient_sum(self.params) or (k > 1 and get_replica_context()):
+            grad_fn = transforms.restore_invariance(grad_fn, loss, k, self.params)
+        grad_fn = zero.defer_gradient_sum(transforms.unscale_gradients(grad_fn, scale))
+        grads, (value, new_state, aux) = grad_fn(self.params, batch)
+        if self.model_state is not None:
+            return (value, (new_state, aux) if has_aux else new_state), grads
+        return ((value, aux) if has_aux else value), grads
 
     def apply_gradients(
         self,
@@ -187,52 +142,27 @@ class TrainState:
     ) -> TrainState:
         """One optimizer update, skipped when any gradient is not finite.
 
-        A skipped step leaves parameters, optimizer state and model state exactly
-        as they were, counts in ``skipped_steps`` and halves the loss scale; the
-        decision is the same on every replica because the gradients are
-        summed across replicas first (and the decision agreed where each
-        replica holds a slice of them: sharded parameters under `run`).
+        A skipped step (`transforms.apply_if_finite`, alike on every replica) keeps
+        parameters, optimizer state and model state, counts in ``skipped_steps`` and
+        halves the loss scale. Under `Replicator.run`, sharded parameters are
+        updated as this device's slices (`zero.update_slices`).
 
         Args:
           grads: the gradients, from `value_and_grad`.
           tx: the (wrapped) optimizer.
           model_state: the new model state from `value_and_grad`, if any.
-          skip_nonfinite: False applies every update, finite or not: the
-            compiled step has no conditional over the state (and no check of
-            the gradients), and a non-finite gradient reaches the parameters.
-            Not with a loss scale (fp16), which needs the skip.
+          skip_nonfinite: False applies every update, finite or not: no check and
+            no conditional in the compiled step. Not with a loss scale (fp16).
         """
-
-        def update(params, opt_state):
-            updates, opt_state = tx.update(grads, opt_state, self.params)
-            params = zero.apply_updates(params, updates, self.params)
-            # Under DiLoCo, islands just synced hold the outer parameters bitwise.
-            return diloco.settle(params, opt_state), opt_state
-
         if not skip_nonfinite and self.loss_scale is not None:
             raise ValueError(
                 "apply_gradients(skip_nonfinite=False) with a loss scale: fp16 loss scaling "
                 "finds its scale by skipping the steps that overflow. Keep the default."
             )
-        # Sharded parameters under run (ZeRO) are updated as this device's slices, with
-        # its slices of the gradients (see `replicator.zero`); else all of this is whole.
-        with zero.scattered(grads, self.params) as pieces:
-            operands = zero.param_slices(self.params), self.opt_state
-            if skip_nonfinite:
-                finite = _agreed(all_finite(pieces))
-                # One branch for the whole update: a per-leaf select would copy every
-                # parameter and optimizer leaf each step (measured: 13% slower at 8 devices).
-                params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), *operands)
-            else:
-                finite, (params, opt_state) = jnp.bool_(True), update(*operands)
-        params = zero.param_wholes(params, self.params)
-        if model_state is None:
-            model_state = self.model_state
-        elif self.model_state is not None and skip_nonfinite:
-            # Statistics are small: a select costs less than widening the branch.
-            model_state = jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old), model_state, self.model_state
-            )
+        update = _optimizer_update(tx, grads, self.params)
+        update = (transforms.apply_if_finite if skip_nonfinite else transforms.apply_always)(update)
+        (params, opt_state), finite = zero.update_slices(update, grads, self.params, self.opt_state)
+        model_state = _kept_model_state(model_state, self.model_state, finite, skip_nonfinite)
         return self.replace(
             step=self.step + 1,
             params=params,
@@ -243,91 +173,38 @@ class TrainState:
         )
 
 
-def _agreed(finite: jax.Array) -> jax.Array:
-    """``finite`` the same on every replica. Gradients of mirrored parameters are
-    already all-reduced, so it is; per-replica parameters (DiLoCo's islands) give
-    each replica its own gradients, and one replica's overflow must skip the
-    update everywhere, or the replicas would drift apart and miss a sync."""
-    ctx, island = get_replica_context(), island_axis()
-    axes = varying_axes(finite, ctx.axis_name if ctx else (island,) if island else ())
-    if not axes:
-        return finite
-    return jax.lax.psum((~finite).astype(jnp.int32), axes) == 0
+def _split_loss(loss_fn: Callable, model_state: PyTree, has_aux: bool) -> Callable:
+    """``loss_fn`` as ``(params, batch) -> (loss, (loss, new_model_state, aux))``."""
+
+    def split(params, batch):
+        if model_state is not None:
+            loss, rest = loss_fn(params, model_state, batch)
+            new_state, aux = rest if has_aux else (rest, None)
+        else:
+            out = loss_fn(params, batch)
+            (loss, aux), new_state = (out if has_aux else (out, None)), None
+        return loss, (loss, new_state, aux)
+
+    return split
 
 
-def _as_invariant_as(tree: PyTree, reference: PyTree) -> PyTree:
-    """``tree`` with each leaf that varies over replica axes its ``reference`` (the
-    abstract value it would have had) does not vary over made invariant again: it
-    is the same on those replicas (computed from parameters alone), so their
-    ``pmax`` is the value itself, exactly."""
-    axes = get_replica_context().axis_name
-
-    def fix(x, ref):
-        extra = tuple(a for a in varying_axes(x, axes) if a not in ref.manual_axis_type.varying)
-        if not extra or not hasattr(x, "dtype"):
-            return x
-        if x.dtype == jnp.bool_:
-            return jax.lax.pmax(x.astype(jnp.int8), extra).astype(jnp.bool_)
-        if jnp.issubdtype(x.dtype, jnp.number):
-            return jax.lax.pmax(x, extra)
-        return x  # (a PRNG key computed from parameters alone: left varying)
-
-    return jax.tree.map(fix, tree, reference)
+def _kept_model_state(new: PyTree, old: PyTree, finite: jax.Array, checked: bool) -> PyTree:
+    """The model state after an update: ``old`` if no ``new`` came, or the step was skipped."""
+    if new is None:
+        return old
+    if old is None or not checked:
+        return new
+    return transforms.keep_if_not_finite(finite, new, old)
 
 
-def all_finite(tree: PyTree) -> jax.Array:
-    """True when every element of every leaf is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def _optimizer_update(tx: optax.GradientTransformation, grads: PyTree, params: PyTree):
+    """``update(slices, opt_state) -> (slices, opt_state)``: ``tx``'s update of
+    ``params`` (their slices under ZeRO) by ``grads``."""
 
+    def update(slices, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        slices = zero.apply_updates(slices, updates, params)
+        # Under DiLoCo, groups just synced hold the outer parameters bitwise.
+        return diloco.settle(slices, opt_state), opt_state
 
-def _accumulate(grad_fn, params, batch, k):
-    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
-    (size,) = sizes
-    if size % k:
-        raise ValueError(
-            f"grad_accum_steps={k} does not divide the per-replica batch of {size}; use a "
-            f"batch size that is a multiple of {k} x the number of replicas."
-        )
-    micro = jax.tree.map(lambda x: x.reshape(k, size // k, *x.shape[1:]), batch)
-    ctx = get_replica_context()
-    if ctx is not None:
-        # Per-replica gradients: sum locally over the microbatches and all-reduce once,
-        # instead of once per microbatch; over the axes autodiff would have summed
-        # over (those the parameter is the same along: all of them, but along
-        # DiLoCo's islands).
-        leaves, treedef = jax.tree.flatten(params)
-        summed = [
-            tuple(a for a in ctx.axis_name if a not in varying_axes(p, ctx.axis_name))
-            for p in leaves
-        ]
-        params = jax.tree.unflatten(treedef, [vary(p, ctx.axis_name) for p in leaves])
-    with microbatching(k):
-        first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-
-        def add(total, microbatch):
-            grads, (loss, state, aux) = grad_fn(params, microbatch)
-            total_grads, (total_loss, total_state, total_aux) = total
-            # Every microbatch starts from the same model state: floating statistics
-            # are summed here and averaged below; counters and keys keep the last.
-            state = jax.tree.map(
-                lambda t, x: t + x if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                total_state,
-                state,
-            )
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)
-            return (add(total_grads, grads), (total_loss + loss, state, add(total_aux, aux))), None
-
-        total, _ = jax.lax.scan(add, first, jax.tree.map(lambda x: x[1:], micro))
-    grads, (loss, new_state, aux) = total
-    new_state = jax.tree.map(
-        lambda x: (x / k).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        new_state,
-    )
-    if ctx is not None:
-        grads = jax.tree.unflatten(
-            treedef,
-            [jax.lax.psum(g, axes) if axes else g
-             for g, axes in zip(treedef.flatten_up_to(grads), summed)],
-        )  # fmt: skip
-    return grads, (loss, new_state, aux)
+    return update

@@ -38,6 +38,8 @@ from typing import TypeVar
 
 from etils import epath
 
+from replicator.errors import StorageError as StorageError
+
 log = logging.getLogger("replicator")
 T = TypeVar("T")
 
@@ -57,10 +59,6 @@ REMOTE_PREFIXES = ("gs://",)
 # line, not a hang.
 DEADLINE_S = 60.0
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
-
-
-class StorageError(OSError):
-    """A path cannot be read or written: a missing bucket, no permission, no answer."""
 
 
 def is_remote(path: str | os.PathLike) -> bool:

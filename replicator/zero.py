@@ -10,16 +10,18 @@ What crosses the devices in a step written with `rp.TrainState` (measured in
 ``tests/test_zero.py``): the parameters, all-gathered once for the forward pass;
 their gradients, reduce-scattered (each device receives its 1/N of the sum,
 once per step however many microbatches); nothing else of size. For that,
-`TrainState.value_and_grad` differentiates with the gathered parameters typed
-varying (`unsummed`), so autodiff leaves each device its own gradient instead of
-all-reducing it whole; the step still reads the summed gradient (`summed`), an
-all-reduce XLA drops as dead code unless the step uses it (a norm, a clip). The
-wrapped optimizer (`replicator.optim`) updates each device's slice of each
-parameter with its slice of the gradient and of the optimizer state, and
-`TrainState.apply_gradients` adds the update's slice to the parameter's slice
-(`apply_updates`). The whole update and the whole new parameter are gathered
-for a step that reads them, and are dead code otherwise: `run` returns the
-slices they were gathered from (`slice_for`).
+`TrainState.value_and_grad` differentiates through `defer_gradient_sum`: with the
+gathered parameters typed varying (`unsummed`), so autodiff leaves each device
+its own gradient instead of all-reducing it whole; the step still reads the
+summed gradient (`summed`), an all-reduce XLA drops as dead code unless the step
+uses it (a norm, a clip). The wrapped optimizer (`shard_optimizer`, inside
+`replicator.optim`'s wrapper) updates each device's slice of each parameter with
+its slice of the gradient and of the optimizer state, and
+`TrainState.apply_gradients` runs its update through `update_slices`, which
+adds the update's slice to the parameter's slice (`apply_updates`). The whole
+update and the whole new parameter are gathered for a step that reads them, and
+are dead code otherwise: `run` returns the slices they were gathered from
+(`slice_for`).
 
 A step that differentiates on its own (``jax.grad``, ``nnx.value_and_grad``)
 gets the gradients autodiff all-reduces, and the wrapped optimizer slices them:
@@ -42,7 +44,7 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -97,7 +99,7 @@ def manual_spec(sharding: NamedSharding, axes: Sequence[str]) -> P:
 
     >>> from replicator.mesh import build_mesh
     >>> manual_spec(NamedSharding(build_mesh(), P("fsdp", "tensor")), ("data", "fsdp"))
-    PartitionSpec('fsdp',)
+    P('fsdp',)
     """
     entries = [tuple(a for a in _axes(e) if a in axes) for e in sharding.spec]
     while entries and not entries[-1]:
@@ -238,15 +240,29 @@ def unsummed(params: PyTree) -> tuple[PyTree, list[bool] | None]:
     step the sum it expects; the wrapped optimizer reduce-scatters the unsummed
     gradient instead. Returns the marks `summed` needs, None if nothing is sharded.
     """
+    marks = _unsummed_marks(params)
+    if marks is None:
+        return params, None
     trace = _CURRENT.get()
-    if trace is None or not trace.wholes:
-        return params, None
     leaves, treedef = jax.tree.flatten(params)
-    marks = [id(x) in trace.wholes and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-    if not any(marks):
-        return params, None
     varied = [vary(x, trace.axes) if m else x for x, m in zip(leaves, marks)]
     return jax.tree.unflatten(treedef, varied), marks
+
+
+def defers_gradient_sum(params: PyTree) -> bool:
+    """Whether `defer_gradient_sum` types any of ``params`` varying (ZeRO under run)."""
+    return _unsummed_marks(params) is not None
+
+
+def _unsummed_marks(params: PyTree) -> list[bool] | None:
+    trace = _CURRENT.get()
+    if trace is None or not trace.wholes:
+        return None
+    marks = [
+        id(x) in trace.wholes and jnp.issubdtype(x.dtype, jnp.inexact)
+        for x in jax.tree.leaves(params)
+    ]
+    return marks if any(marks) else None
 
 
 def summed(grads: PyTree, marks: list[bool] | None) -> PyTree:
@@ -267,6 +283,37 @@ def summed(grads: PyTree, marks: list[bool] | None) -> PyTree:
             g = total
         out.append(g)
     return jax.tree.unflatten(treedef, out)
+
+
+def defer_gradient_sum(grad_fn: Callable) -> Callable:
+    """``grad_fn(params, batch) -> (grads, out)`` with each sharded parameter's
+    gradient computed per device (`unsummed`) and handed on as the sum (`summed`),
+    which remembers the unsummed one for the wrapped optimizer to reduce-scatter.
+    Outside a sharded `Replicator.run`, ``grad_fn`` as it is."""
+
+    def deferred(params, batch):
+        params, marks = unsummed(params)
+        grads, out = grad_fn(params, batch)
+        return summed(grads, marks), out
+
+    return deferred
+
+
+def update_slices(
+    update: Callable, grads: PyTree, params: PyTree, opt_state: PyTree
+) -> tuple[tuple[PyTree, PyTree], Any]:
+    """``update(pieces, slices, opt_state) -> ((slices, opt_state), extra)`` on this
+    device's slices of the sharded parameters (``params``, gathered), with
+    ``pieces`` the gradients as `scattered` gives them; the new slices come back
+    gathered whole again (`param_wholes`). Outside a sharded `Replicator.run`,
+    ``update(grads, params, opt_state)``.
+
+    ``update`` applies the whole ``grads`` through the wrapped optimizer, which
+    finds their slices while this lasts, and adds the update's slices with
+    `apply_updates`."""
+    with scattered(grads, params) as pieces:
+        (new_params, opt_state), extra = update(pieces, param_slices(params), opt_state)
+    return (param_wholes(new_params, params), opt_state), extra
 
 
 @contextlib.contextmanager
@@ -365,6 +412,22 @@ _AMBIGUOUS = P("ambiguous")  # a leaf shaped like parameters sharded in differen
 
 def _known(spec: P | None) -> bool:
     return spec is not None and spec is not _AMBIGUOUS
+
+
+def shard_optimizer(
+    tx: optax.GradientTransformationExtraArgs, axis_names: Sequence[str]
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` that, in a `Replicator.run` step with sharded arguments, updates this
+    device's slices (`update`), and elsewhere is ``tx`` itself. Its state is ``tx``'s.
+    The gradients it receives are summed across replicas already."""
+    axis_names = tuple(axis_names)
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if not active():
+            return tx.update(grads, state, params, **extra_args)
+        return update(tx, grads, state, params, axis_names, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def update(

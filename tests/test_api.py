@@ -18,6 +18,7 @@ PUBLIC = [
     "ReplicaContext",
     "Replicator",
     "TrainState",
+    "UserError",
     "apply_policy",
     "compute_average_loss",
     "get_replica_context",

@@ -571,6 +571,10 @@ def test_a_save_is_committed_only_after_its_before_commit_returned(tmp_path):
         manager.wait()
     assert reader(tmp_path).all_steps() == [1]  # never listed without its records
 
+    blocking = rp.Checkpoints(tmp_path / "sync", rp.Replicator(), async_save=False)
+    blocking.save(1, state, before_commit=upload_records)  # runs it before it returns
+    assert len(listed_during) == 2 and blocking.all_steps() == [1]
+
 
 def guide_orbax_recipe():
     """The first python block of the guide's "Reading a checkpoint with Orbax alone"."""

@@ -113,6 +113,8 @@ def test_help_with_a_config_shows_its_values():
         (["--config.model.num_clases=3"], ["'model.num_clases'", "'model.num_classes'"]),
         (["--config.batch_size=abc"], ["--config.batch_size=abc", "invalid literal for int"]),
         (["--config.precision=fp8"], ["'precision'='fp8' is not one of"]),
+        (["--config.model.newkey=1"], ["unknown config key 'model.newkey'", "config.model has"]),
+        (["--config.model.hiddn=3"], ["unknown config key 'model.hiddn'", "num_classes"]),
     ],
 )
 def test_config_mistakes_are_one_line_and_touch_nothing(tmp_path, args, expected):
@@ -198,6 +200,26 @@ def test_a_bug_keeps_its_traceback(tmp_path, digits_data_dir):
     assert done.returncode == 1
     assert "Traceback (most recent call last)" in done.stderr
     assert "ZeroDivisionError" in done.stderr
+
+
+def test_a_user_error_raised_in_the_library_is_one_line(tmp_path, digits_data_dir):
+    """What decides is the error's type (a `replicator.errors.UserError`), not where it
+    was raised: here the storage layer, called from an experiment outside the package."""
+    (tmp_path / "denied_experiment.py").write_text(
+        "from replicator import storage\n\n"
+        "def make_experiment(settings):\n"
+        "    def read():\n"
+        "        raise PermissionError('403 Forbidden')\n"
+        "    return storage.call('read', 'gs://no-access/weights', read)\n"
+    )
+    workdir = tmp_path / "run"
+    done = run_cli(
+        "train", *SMOKE, "--workdir", str(workdir), f"--config.data_dir={digits_data_dir}",
+        "--config.experiment=denied_experiment",
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert_one_line_error(done, "cannot read gs://no-access/weights", "403 Forbidden")
+    assert not workdir.exists()  # refused for its input: nothing left behind
 
 
 # ---- eval uses the run's config
@@ -353,3 +375,21 @@ def test_more_mistakes_are_one_line(tmp_path, trained):
         f.write('{"exper')
     for args in (["eval", "--workdir", copy], ["train", *SMOKE, "--workdir", copy]):
         assert_one_line_error(run_cli(*args), "config.json cannot be read as a run's config")
+
+
+def test_eval_follow_prints_one_json_line_per_result(trained):
+    workdir, _, data_dir = trained
+    done = run_cli("eval", "--workdir", workdir, data_dir, "--follow", "--follow_timeout=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in lines(done.stdout)]  # nothing but JSON lines
+    steps = sorted(int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")))
+    assert [r["step"] for r in results] == steps
+
+
+def test_none_on_the_command_line_is_none_for_a_key_that_allows_it():
+    from replicator.trainer import config as config_lib
+    from tests.test_train import load_config
+
+    assert config_lib.validate(load_config(precision="None")).precision is None
+    with pytest.raises(config_lib.ConfigError, match="'batch_size' is None"):
+        config_lib.validate(load_config(batch_size=None))

@@ -124,6 +124,7 @@ OVERRIDES = {
     "mesh": "{'data': 2, 'tensor': 4}",
     "dcn_mesh": "{'data': 2}",
     "rules": "(('embed', 'fsdp'), ('mlp', 'tensor'))",
+    "fsdp_min_size": "0",
     "precision": "fp16",
     "matmul_precision": "highest",
     "nonfinite": "skip",

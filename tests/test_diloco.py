@@ -321,6 +321,32 @@ def test_a_step_compiled_before_the_optimizer_was_wrapped_still_runs_per_island(
         np.testing.assert_array_equal(np.asarray(p[1]), np.asarray(o))  # synced (H=1)
 
 
+def test_the_island_layout_travels_with_the_state_not_the_replicator():
+    """wrap_optimizer leaves its Replicator as it was: the state says where its islands
+    are, so a Replicator that never wrapped the optimizer trains it the same, bitwise."""
+    wrapper = rp.Replicator(mesh=ISLANDS)
+    tx = wrapper.wrap_optimizer(optax.adam(1e-2), sync=rp.DiLoCo(inner_steps=2))
+
+    def step(state, batch):
+        _, grads = state.value_and_grad(loss_fn, batch)
+        return state.apply_gradients(grads, tx)
+
+    params = MLP().init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    finals = []
+    for repl in (wrapper, rp.Replicator(mesh=ISLANDS)):
+        state = repl.replicate(rp.TrainState.create(params, tx, jax.random.key(0)))
+        assert state.opt_state.island_axis == "data"
+        compiled = repl.compile(step)
+        for i, batch in enumerate(batches(3)):
+            batch = repl.shard_batch(batch)
+            state = compiled(state, batch) if i == 1 else repl.run(step, state, batch)
+        assert jax.tree.leaves(state.params)[0].shape[0] == 4  # one row per island
+        finals.append(jax.device_get(state))
+    for x, y in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
+        if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_outer_view_holds_the_outer_parameters():
     state = train(ISLANDS, optax.sgd(0.1), rp.DiLoCo(inner_steps=3), steps=2)
     view = diloco.outer_view(state)

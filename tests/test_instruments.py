@@ -138,3 +138,17 @@ def test_the_summary_counts_device_time_as_compute(tmp_path, digits_data_dir, nu
     # device's time used to land in "other": 20.8 s of "other" against 0.07 s of compute).
     assert wall["other"] < 0.1 * wall["total"], wall
     assert 0 < summary["mfu"] <= 1, summary
+
+
+def test_flops_per_step_count_the_whole_batch_under_accumulation(tmp_path, digits_data_dir):
+    flops = {}
+    for accum in (1, 4):
+        config = load_config(
+            data_dir=digits_data_dir, num_train_steps=3, grad_accum_steps=accum, batch_size=64
+        )
+        trainer.train_and_evaluate(config, str(tmp_path / str(accum)), quiet=True)
+        (summary,) = [
+            r for r in read_records(str(tmp_path / str(accum))) if r.get("split") == "summary"
+        ]
+        flops[accum] = summary["flops_per_step"]
+    assert flops[4] == flops[1], flops  # XLA counts the microbatch loop's body once

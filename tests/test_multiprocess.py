@@ -114,6 +114,7 @@ def children_of(pid):
     return sorted(kids)
 
 
+@pytest.mark.slow  # make test-slow; keeps make test under 15 minutes on CI
 def test_a_dead_worker_stops_the_launch(tmp_path, digits_data_dir):
     cmd = replicator_cmd(
         "launch",
@@ -450,6 +451,7 @@ def test_elastic_islands_survive_a_killed_island_exactly(tmp_path):
             np.testing.assert_array_equal(got[k][name], want[k][name])
 
 
+@pytest.mark.slow  # make test-slow; keeps make test under 15 minutes on CI
 def test_elastic_kill_inside_a_sync_never_hangs_the_others(tmp_path):
     """Island 2 dies in the middle of a sync, after sending its outer gradient: the
     survivors agree on one result (with or without it) and finish."""
@@ -463,6 +465,7 @@ def test_elastic_kill_inside_a_sync_never_hangs_the_others(tmp_path):
         np.testing.assert_array_equal(got[0][name], got[1][name])
 
 
+@pytest.mark.slow  # make test-slow; keeps make test under 15 minutes on CI
 def test_elastic_sync_that_cannot_complete_exits_naming_the_missing(tmp_path):
     """Island 2 is alive but stuck in a sync: the others give up after the timeout with
     the sync-timeout exit code, naming it."""

@@ -188,6 +188,7 @@ def test_resnet_cross_replica_batchnorm_8_replicas_equal_1_device_and_compile():
     assert_trees_close(loss_compiled, loss_one, "compile eval loss")
 
 
+@pytest.mark.slow  # make test-slow; keeps make test under 15 minutes on CI
 def test_resnet_per_device_batchnorm_statistics_round_trip():
     """pmap's idiom: BatchNorm without axis_name keeps statistics of its own per device."""
     repl = rp.Replicator()

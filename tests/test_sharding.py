@@ -88,9 +88,44 @@ def test_annotated_mlp_gets_the_rules_specs(mlp_abstract):
     for mesh in (mesh_of(data=8), mesh_of(data=1)):
         flat = jax.tree.leaves(specs(sh.param_shardings(mlp_abstract, mesh, RULES, min_size=0)))
         assert flat == [P()] * 4
-    # Below min_size, everything stays replicated.
+    # min_size is automatic FSDP's threshold: rules given explicitly apply to the small
+    # parameters too (big_vision's min_size_to_shard_mb), automatic FSDP does not.
     small = sh.param_shardings(mlp_abstract, mesh_of(data=2, fsdp=2, tensor=2), RULES)
-    assert set(jax.tree.leaves(specs(small))) == {P()}
+    assert specs(small) == specs(cube)
+    only_fsdp = sh.param_shardings(mlp_abstract, mesh_of(fsdp=8), [("mlp", "tensor")])
+    assert set(jax.tree.leaves(specs(only_fsdp))) == {P()}
+    # With the default rules, small parameters stay whole.
+    default = sh.param_shardings(mlp_abstract, mesh_of(data=2, fsdp=2, tensor=2))
+    assert set(jax.tree.leaves(specs(default))) == {P()}
+
+
+def test_a_rule_may_name_several_mesh_axes_and_is_never_a_regex(mlp_abstract):
+    cube = mesh_of(data=2, fsdp=2, tensor=2)
+    rules = [("embed", ("fsdp", "data")), ("mlp", "tensor")]
+    placed = specs(sh.param_shardings(mlp_abstract, cube, rules, min_size=0))
+    assert placed == {
+        "fc": {"kernel": P(("fsdp", "data"), "tensor"), "bias": P("tensor")},
+        "proj": {"kernel": P("tensor", ("fsdp", "data")), "bias": P(("fsdp", "data"))},
+    }
+    # A path rule (a regex key, one entry per dimension) is still one.
+    path = specs(sh.param_shardings(mlp_abstract, cube, [(r"fc/kernel", ("fsdp", None))]))
+    assert path["fc"]["kernel"] == P("fsdp")
+    # Activation rules match no parameter, as expected of them: no warning.
+    sh.param_shardings(mlp_abstract, cube, [*rules, ("activation_batch", ("data", "fsdp"))])
+
+
+def test_min_size_zero_shards_every_parameter_of_the_lm():
+    from experiments.lm.model import Transformer
+
+    model = Transformer(vocab_size=256, num_layers=1, num_heads=4, embed_dim=128, max_len=128)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    mesh = mesh_of(fsdp=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sh.ShardingWarning)
+        default = sh.plan_param_shardings(abstract, mesh).placements
+        every = rp.Replicator(mesh={"fsdp": 8}, min_size=0).param_shardings(abstract)
+    assert any("fsdp" not in p.spec for p in default)  # the biases and norm scales
+    assert all("fsdp" in s.spec for s in jax.tree.leaves(nn.meta.unbox(every)))
 
 
 def test_lm_params_get_fsdp_by_default():
@@ -229,8 +264,8 @@ def cube():
     return mesh_of(data=2, fsdp=2, tensor=2)
 
 
-def cube_shardings(mesh):
-    return functools.partial(sh.param_shardings, mesh=mesh, rules=RULES, min_size=0)
+def cube_shardings(mesh, rules=RULES):
+    return functools.partial(sh.param_shardings, mesh=mesh, rules=rules, min_size=0)
 
 
 def test_init_sharded_creates_every_leaf_in_its_sharding(cube):
@@ -260,13 +295,20 @@ def test_init_sharded_creates_every_leaf_in_its_sharding(cube):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize(
+    "rules",
+    [RULES, [("embed", ("fsdp", "data"))]],  # the second: MaxText's form, several axes
+    ids=["fsdp_tensor", "embed_over_fsdp_and_data"],
+)
 @pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
-def test_compiled_step_on_the_cube_equals_one_device(cube, tx):
+def test_compiled_step_on_the_cube_equals_one_device(cube, tx, rules):
     init = functools.partial(make_state, tx=tx)
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(12, 16)), "y": rng.normal(size=(12, 16))}
     batch = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), batch)
-    state = sh.init_sharded(init, cube_shardings(cube), jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sh.ShardingWarning)  # `mlp` has no rule here
+        state = sh.init_sharded(init, cube_shardings(cube, rules), jax.random.key(0))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_sharding = NamedSharding(cube, P(DATA_AXES))
     sharded = jax.jit(
@@ -317,7 +359,7 @@ def test_report_counts_bytes_per_device():
     rows = {line.split()[0]: line for line in report.splitlines() if line.strip()}
     assert sh._format_bytes(fsdp_bytes) in rows["params"]
     assert "opt_state" in rows and "total" in rows
-    assert "Largest parameters left replicated:" in report
+    assert "Largest parameters left replicated, and why:" in report
     assert "params/block_0/mlp/fc/bias" in report  # the largest small one
     assert "('embed', 'fsdp'): 10 parameters" in report
     assert "below min_size: replicated" in report

@@ -212,3 +212,15 @@ def test_a_finished_run_rerun_only_evaluates_and_keeps_its_records(tmp_path, dig
     assert [r["steps"] for r in records if r.get("split") == "summary"] == [4]
     assert sorted(os.listdir(tmp_path / "tensorboard")) == events
     assert [os.path.getsize(tmp_path / "tensorboard" / name) for name in events] == sizes
+
+
+def test_fsdp_min_size_zero_shards_every_parameter_from_the_config(digits_data_dir):
+    config = load_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}, fsdp_min_size=0)
+    run = setup(config)
+    assert run.repl.min_size == 0
+    params = jax.tree.leaves(run.abstract_state.params)
+    assert all("fsdp" in x.sharding.spec for x in params), [x.sharding.spec for x in params]
+    default = setup(load_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}))
+    assert any(
+        "fsdp" not in x.sharding.spec for x in jax.tree.leaves(default.abstract_state.params)
+    )

@@ -40,7 +40,10 @@ def train(tmp_path, name, data_dir, step_path="compile", **mesh):
     return losses, summary["state_bytes_per_device"]
 
 
-@pytest.mark.parametrize("step_path", ["compile", "run"])
+@pytest.mark.parametrize(
+    "step_path",
+    [pytest.param("compile", marks=pytest.mark.slow), "run"],  # compile: make test-slow
+)
 def test_sharded_meshes_train_like_data_parallelism(tmp_path, digits_data_dir, step_path):
     losses, data8 = train(tmp_path, "data8", digits_data_dir, step_path, data=8)
     sharded, bytes_2x2x2 = train(

@@ -1,8 +1,9 @@
 """Means over the processes still alive, through JAX's own coordination service.
 
-For DiLoCo's elastic mode (`replicator.diloco.ElasticIslands`): each process
-is an island that trains on its own devices, and every sync is a mean of the
-islands' outer gradients over the processes that are alive at that moment. No
+For DiLoCo's elastic mode (`ElasticIslands`, here, also ``rp.diloco.ElasticIslands``):
+each process is an island that trains on its own devices, and every sync is a
+mean of the islands' outer gradients over the processes that are alive at that
+moment. No
 transport of our own: JAX's distributed runtime started with recoverability
 (``jax_enable_recoverability``; `replicator.runtime.processes.initialize` with
 ``recoverable=True``) keeps the survivors running when a process dies, its
@@ -32,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -214,3 +216,48 @@ class LiveGroup:
             if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
                 return None
             raise
+
+
+class ElasticIslands:
+    """DiLoCo across processes that may die: each process is one island.
+
+    Each process trains on its own devices (``rp.Replicator(devices=
+    jax.local_devices())``, data parallelism inside the island) with
+    ``repl.wrap_optimizer(tx, sync=policy)`` where ``policy.elastic`` is set;
+    every ``inner_steps`` the loop calls `sync`, which averages the islands'
+    outer gradients over the processes alive at that moment (membership check,
+    then one mean through JAX's coordination service: `LiveGroup`) and applies
+    the outer step (`replicator.diloco.DiLoCo.outer_step`). An island that died
+    is dropped at the next sync and the survivors finish the run with the same
+    parameters, bitwise. A sync that cannot complete within ``timeout_s`` raises
+    `SyncTimeout` naming the missing processes; exit with ``EXIT_SYNC_TIMEOUT``
+    and restart from the last checkpoint. Also ``rp.diloco.ElasticIslands``.
+
+    Start the processes with ``rp.initialize(recoverable=True,
+    heartbeat_timeout_s=...)``: a process counts as dead after that long
+    without a heartbeat. Process 0 must survive (it serves the coordination
+    service; when it dies, every process stops).
+
+    Args:
+      policy: the `rp.DiLoCo` policy given to ``wrap_optimizer`` (``elastic=True``).
+      timeout_s: the longest one sync may take (from the first island to reach it).
+    """
+
+    def __init__(self, policy: Any, *, timeout_s: float = 120.0):
+        if not getattr(policy, "elastic", False):
+            raise ValueError("ElasticIslands needs DiLoCo(..., elastic=True).")
+        self.policy = policy
+        self.group = LiveGroup(timeout_s=timeout_s, prefix="diloco")
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The processes that took part in the last sync."""
+        return self.group.members
+
+    def sync(self, tree: Any) -> Any:
+        """Every DiLoCo train state in ``tree`` after a sync over the live islands."""
+        return self.policy.outer_step(tree, lambda delta: self.group.mean(delta))
+
+    def close(self) -> None:
+        """Leaves the run in an order JAX's runtime survives (process 0 last)."""
+        self.group.close()

@@ -104,7 +104,7 @@ def launch_local(
     process fails, the others are stopped (SIGTERM, then SIGKILL after
     ``grace_s``) and the exit code is non-zero.
 
-    With ``elastic`` (DiLoCo's elastic islands, `replicator.diloco.ElasticIslands`)
+    With ``elastic`` (DiLoCo's elastic islands, `replicator.runtime.elastic.ElasticIslands`)
     a process other than 0 that dies is reported and the others go on; process
     0 failing still stops them all (it serves JAX's coordination service).
 

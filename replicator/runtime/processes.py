@@ -127,7 +127,7 @@ def initialize(
       timeout_s: how long to wait for every process to arrive.
       recoverable: keep going when another process dies (JAX's
         ``jax_enable_recoverability``): for DiLoCo's elastic islands
-        (`replicator.diloco.ElasticIslands`), which run no computation across
+        (`replicator.runtime.elastic.ElasticIslands`), which run no computation across
         processes. Process 0 must survive: it serves the coordination service.
       heartbeat_timeout_s: after how long without a heartbeat a process counts
         as dead (JAX's default: 100).
@@ -153,14 +153,7 @@ def initialize(
     """
     global _joined
     if _joined is not None:
-        asked = (coordinator_address, num_processes, process_id)
-        have = (_joined.coordinator_address, _joined.num_processes, _joined.process_id)
-        if any(a is not None and a != h for a, h in zip(asked, have)):
-            raise ValueError(
-                f"This process already joined {_joined}; initialize() was called again with "
-                f"coordinator_address={coordinator_address}, num_processes={num_processes}, "
-                f"process_id={process_id}. A process joins one group, once."
-            )
+        _check_same_group(_joined, coordinator_address, num_processes, process_id)
         return _joined
     group = detect_process_group(coordinator_address, num_processes, process_id)
     if group is None:
@@ -182,6 +175,18 @@ def initialize(
         )
     _joined = group
     return group
+
+
+def _check_same_group(joined: ProcessGroup, coordinator_address, num_processes, process_id):
+    """A second `initialize` may repeat the first's group, not name another."""
+    asked = (coordinator_address, num_processes, process_id)
+    have = (joined.coordinator_address, joined.num_processes, joined.process_id)
+    if any(a is not None and a != h for a, h in zip(asked, have)):
+        raise ValueError(
+            f"This process already joined {joined}; initialize() was called again with "
+            f"coordinator_address={coordinator_address}, num_processes={num_processes}, "
+            f"process_id={process_id}. A process joins one group, once."
+        )
 
 
 def check_joined(environ: Mapping[str, str] | None = None) -> None:

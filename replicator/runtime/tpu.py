@@ -43,6 +43,8 @@ import tarfile
 import tempfile
 from collections.abc import Iterator, Sequence
 
+from replicator.errors import LaunchError as LaunchError
+
 # On every worker ($HOME is the worker's): the unpacked bundles, and the job's pid and log.
 BUNDLES = "$HOME/.replicator/bundles"
 JOB = "$HOME/.replicator/job"
@@ -58,10 +60,6 @@ NON_CODE_DIRS = frozenset(
      "checkpoints", "wandb", "build", "dist", "node_modules"}
 )  # fmt: skip
 _BUNDLE_MTIME = 1_577_836_800  # 2020-01-01: the same contents give the same tarball
-
-
-class LaunchError(Exception):
-    """A launch that cannot go ahead; reported in one line, ``error: ...``."""
 
 
 @dataclasses.dataclass(frozen=True)

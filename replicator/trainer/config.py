@@ -21,14 +21,10 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from replicator import storage
+from replicator import sharding, storage
+from replicator.errors import ConfigError as ConfigError
 
 _REQUIRED = object()
-
-
-class ConfigError(ValueError):
-    """A mistake in a config (or in a run's saved one), found by the trainer or by an
-    experiment checking its settings: ``python -m replicator`` reports it in one line."""
 
 
 # key -> (allowed types, default or _REQUIRED, meaning). None in the types allows None.
@@ -63,6 +59,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         (tuple, list, None),
         None,
         "parameter sharding rules, e.g. (('embed', 'fsdp'),) (None: FSDP + Megatron)",
+    ),
+    "fsdp_min_size": (
+        (int,),
+        sharding.MIN_SHARD_SIZE,
+        "parameters with fewer elements get no automatic FSDP (0: shard all)",
     ),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
@@ -100,6 +101,8 @@ MINIMUM = {
     "checkpoint_every_steps": 1,
     "keep_checkpoints": 1,
     "keep_best_checkpoints": 0,
+    "seed": 0,
+    "fsdp_min_size": 0,
 }
 
 CHOICES = {
@@ -213,6 +216,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         problems.append(f"unknown key {key!r}{hint}")
     for key, (types, default, _) in SCHEMA.items():
+        if None in types and values.get(key) == "None":
+            values[key] = None  # --config.precision=None: a str key's override is a str
         if key not in values:
             if default is _REQUIRED:
                 problems.append(f"missing required key {key!r}")
@@ -223,7 +228,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if problem:
             problems.append(problem)
     if not problems:
-        problems += _range_problems(values)
+        problems += _range_problems(values) + _library_problems(values)
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
     return ml_collections.ConfigDict(values)
@@ -271,6 +276,27 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
         problems.append("'keep_best_checkpoints' > 0 needs 'best_metric' (an eval metric)")
     if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:
         problems.append(f"'experiment'={values['experiment']!r} cannot be imported")
+    return problems
+
+
+def _library_problems(values: dict[str, Any]) -> list[str]:
+    """What the library would refuse later, said now: the optimizer, the mesh's axes."""
+    import optax
+
+    from replicator import mesh as mesh_lib
+
+    problems = []
+    if not callable(getattr(optax, values["optimizer"], None)):
+        problems.append(
+            f"'optimizer'={values['optimizer']!r} is not an optax optimizer (e.g. 'adam')"
+        )
+    for key in ("mesh", "dcn_mesh"):
+        if values[key] is None:
+            continue
+        try:  # refitting to one device checks the axes' names and sizes, and only those
+            mesh_lib.refit_axis_sizes(values[key], 1)
+        except (TypeError, ValueError) as e:
+            problems.append(f"{key!r}={values[key]!r}: {e}")
     return problems
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -167,6 +168,29 @@ class Console:
         caller = frame.f_globals.get("__name__", "") if frame is not None else ""
         if caller == "replicator" or caller.startswith("replicator."):
             self.err.write(f"warning: {message}\n")  # the library's advice to the user
+
+
+def one_line(text: str, items_shown: int = 3) -> str:
+    r"""A message as one line: a traceback's last line; a list's items joined by '; ',
+    the first ``items_shown`` of them (the full list is in the log).
+
+    >>> one_line("Invalid config:\n  - unknown key 'x'\n  - missing required key 'y'")
+    "Invalid config: unknown key 'x'; missing required key 'y'"
+    >>> one_line("Differs:\n  a\n  b\n  c\n  d\n  ... and 6 more", items_shown=2)
+    'Differs: a; b; ... and 8 more'
+    """
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+        lines = lines[-1:]
+    if not lines:
+        return ""
+    head, items = lines[0], [line.removeprefix("- ") for line in lines[1:]]
+    more = re.fullmatch(r"\.\.\. and (\d+) more", items[-1]) if items else None
+    hidden = int(more.group(1)) if more else 0
+    items = items[:-1] if more else items
+    hidden += max(len(items) - items_shown, 0)
+    items = items[:items_shown] + ([f"... and {hidden} more"] if hidden else [])
+    return head + (" " + "; ".join(items) if items else "")
 
 
 class _LogStream:

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 
 from replicator import storage
-from replicator.checkpoint import Checkpoints
+from replicator.checkpoint import CheckpointMismatchError, Checkpoints
 from replicator.trainer import actions as act
 from replicator.trainer import config as config_lib
 from replicator.trainer.config import config_differences
@@ -206,7 +206,13 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
     a fresh state at step 0."""
     if checkpoints.latest_step() is None:
         return run.init_state(), 0
-    state = checkpoints.restore(like=run.abstract_state, strict=strict)
+    try:
+        state = checkpoints.restore(like=run.abstract_state, strict=strict)
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(  # its list of paths stays last, one per line
+            "The workdir holds checkpoints of another model than the config's (use another "
+            f"--workdir; --force trains there only where the model fits). {e}"
+        ) from e
     step = checkpoints.restored_step
     train_iter.set_state(checkpoints.saved_data_state(step)["iterator"].encode())
     changes = config_differences(checkpoints.saved_config(step), run.config.to_dict())

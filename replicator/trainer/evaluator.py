@@ -7,8 +7,10 @@ over real examples, and the sums are added up on the devices and fetched once.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -172,6 +174,7 @@ def follow(
     *,
     devices=None,
     timeout_s: float | None = None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """A sidecar evaluator: evaluates every new checkpoint in ``workdir`` as it appears.
 
@@ -180,6 +183,9 @@ def follow(
     with ``"sidecar": true``, and are attached to the checkpoint, where the
     training run's best-N retention finds them. Stops after the checkpoint of the final
     step, or when no new checkpoint came for ``timeout_s`` seconds.
+
+    ``on_result`` is called with each record as it comes (the CLI prints it);
+    without one, each is logged.
 
     Returns:
       The eval records, oldest first.
@@ -206,7 +212,10 @@ def follow(
             evaluator.checkpoints.write_metrics(
                 step, {k: v for k, v in result.items() if isinstance(v, float)}
             )
-            log.info("sidecar: step %d %s", step, result)
+            if on_result is None:
+                log.info("sidecar: step %d %s", step, json.dumps(result))
+            else:
+                on_result(result)
             results.append(result)
     finally:
         writer.close()

@@ -24,6 +24,7 @@ from typing import Any
 import optax
 
 from replicator.diloco import DiLoCo
+from replicator.errors import ConfigError
 from replicator.replicator import Replicator
 
 PyTree = Any
@@ -62,7 +63,7 @@ class Settings:
         """
         factory = getattr(optax, self.optimizer, None)
         if not callable(factory):
-            raise ValueError(
+            raise ConfigError(
                 f"config.optimizer={self.optimizer!r} is not an optax optimizer (e.g. 'adam')."
             )
         rate = self.learning_rate if learning_rate is None else learning_rate

@@ -10,7 +10,8 @@ from typing import Any
 import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from replicator import diloco, sharding
+from replicator import diloco, hlo, sharding
+from replicator.state import TrainState
 from replicator.trainer.peaks import peak_flops_per_second
 
 log = logging.getLogger("replicator")
@@ -131,7 +132,7 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
         compiled = run.train_step.lower(state, batch).compile()
         if run.config.diloco is not None:
             result |= _island_traffic(run, compiled.as_text(), state)
-        cost = compiled.cost_analysis()
+        cost = _whole_batch_cost(run, state, batch, compiled)
         flops = float(cost["flops"]) * len(devices)  # XLA counts one device's program
         result["flops_per_step"] = flops
         compute = watch.totals.get("compute", 0.0)
@@ -150,12 +151,35 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     return result
 
 
-def _island_traffic(run, hlo: str, state) -> dict:
-    """DiLoCo's bytes per step between islands, measured from the step's HLO, next to
-    what data parallelism's gradient all-reduce over the same replicas would send."""
+def _whole_batch_cost(run, state, batch, compiled) -> dict:
+    """XLA's cost of the step over its whole global batch. XLA counts a loop's body
+    once, whatever its trip count, so under gradient accumulation (a loop over the
+    microbatches) the cost is that of the same step without it, compiled once more
+    here: the same arithmetic, in one pass."""
+    accumulating = [
+        s for s in jax.tree.leaves(state, is_leaf=_is_train_state) if _is_train_state(s)
+    ]
+    if not any(s.grad_accum_steps > 1 for s in accumulating):
+        return compiled.cost_analysis()
+    whole = jax.tree.map(
+        lambda s: s.replace(grad_accum_steps=1) if _is_train_state(s) else s,
+        state,
+        is_leaf=_is_train_state,
+    )
+    return run.train_step.lower(whole, batch).compile().cost_analysis()
+
+
+def _is_train_state(x) -> bool:
+    return isinstance(x, TrainState)
+
+
+def _island_traffic(run, program: str, state) -> dict:
+    """DiLoCo's bytes per step between islands, measured from the step's HLO
+    (`replicator.hlo`), next to what data parallelism's gradient all-reduce over the
+    same replicas would send."""
     settings = dict(run.config.diloco)
     axis, inner_steps = settings.get("axis", "data"), settings["inner_steps"]
-    sent = diloco.traffic(hlo, run.repl.mesh, axis)
+    sent = hlo.traffic(program, run.repl.mesh, axis)
     per_step = sent["every_step"] + sent["in_branches"] / inner_steps
     n, params = run.repl.num_replicas, diloco.outer_bytes(state)
     log.info(

@@ -21,16 +21,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from replicator import diloco, sharding
+from replicator import diloco, groups, sharding
 from replicator import mesh as mesh_lib
+from replicator.errors import ConfigError, UserError
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
-from replicator.trainer.config import ConfigError
 from replicator.trainer.experiment import Experiment, Settings
 
 log = logging.getLogger("replicator")
@@ -120,19 +118,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     """
     config = config_lib.validate(config)
     sync = sync_policy(config)
-    mesh = dict(config.mesh)
-    dcn_mesh = None if config.dcn_mesh is None else dict(config.dcn_mesh)
-    if training:
-        _check_mesh_fits(mesh, dcn_mesh, devices)
-    else:
-        mesh, dcn_mesh = _eval_mesh(mesh, dcn_mesh, devices)
-    repl = Replicator(
-        devices=devices,
-        mesh=mesh,
-        precision=config.precision,
-        rules=None if config.rules is None else [tuple(rule) for rule in config.rules],
-        dcn_mesh=dcn_mesh,
-    )
+    repl = _replicator(config, devices, training)
     experiment = load_experiment(
         config.experiment,
         Settings(
@@ -147,15 +133,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         ),
     )
     if training:
-        _check_divisible("batch_size", config.batch_size, repl)
-        per_replica, accum = config.batch_size // repl.num_replicas, config.grad_accum_steps
-        if per_replica % accum:
-            raise ConfigError(
-                f"config.grad_accum_steps={accum} does not divide the per-replica batch of "
-                f"{per_replica} (config.batch_size={config.batch_size} over "
-                f"{repl.num_replicas} replicas); use a batch size that is a multiple of "
-                f"{accum * repl.num_replicas}."
-            )
+        _check_train_batch(config, repl)
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
         raise ConfigError(
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "
@@ -175,8 +153,8 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
                 # was said when training, and asks nothing of the user now.
                 warnings.simplefilter("ignore", sharding.ShardingWarning)
             shardings = _state_shardings(repl, abstract)
-    else:  # replicated inside each island; parameters and inner state one row per island
-        init, shardings = _island_layout(repl, sync, init, abstract)
+    else:  # DiLoCo: parameters and inner state in rows, one per group (`replicator.groups`)
+        init, shardings = _diloco_layout(repl, sync, init, abstract)
         abstract = jax.eval_shape(init)
     train_step, eval_step = _make_steps(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
@@ -186,6 +164,42 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
         init, [eval_source],
     )  # fmt: skip
+
+
+def _replicator(config, devices, training: bool) -> Replicator:
+    """The config's Replicator: its mesh exactly (training) or refitted to the devices
+    there are (eval); a mesh, DCN mesh or rules that do not fit are a `ConfigError`."""
+    mesh = dict(config.mesh)
+    dcn_mesh = None if config.dcn_mesh is None else dict(config.dcn_mesh)
+    if training:
+        _check_mesh_fits(mesh, dcn_mesh, devices)
+    else:
+        mesh, dcn_mesh = _eval_mesh(mesh, dcn_mesh, devices)
+    try:
+        return Replicator(
+            devices=devices,
+            mesh=mesh,
+            precision=config.precision,
+            rules=None if config.rules is None else [tuple(rule) for rule in config.rules],
+            dcn_mesh=dcn_mesh,
+            min_size=config.fsdp_min_size,
+        )
+    except ValueError as e:  # the config's mesh, dcn_mesh or rules do not fit these devices
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(str(e)) from e
+
+
+def _check_train_batch(config, repl: Replicator) -> None:
+    _check_divisible("batch_size", config.batch_size, repl)
+    per_replica, accum = config.batch_size // repl.num_replicas, config.grad_accum_steps
+    if per_replica % accum:
+        raise ConfigError(
+            f"config.grad_accum_steps={accum} does not divide the per-replica batch of "
+            f"{per_replica} (config.batch_size={config.batch_size} over "
+            f"{repl.num_replicas} replicas); use a batch size that is a multiple of "
+            f"{accum * repl.num_replicas}."
+        )
 
 
 def _eval_mesh(
@@ -292,23 +306,13 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
         raise ConfigError(f"config.diloco: {e}") from e
 
 
-def _island_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstract: Any):
-    """DiLoCo's state: ``init`` (whose shapes are ``abstract``) with parameters and inner
-    optimizer state one row per island (as `Replicator.run` keeps them, so checkpoints
-    restore in that shape), and its shardings: those rows split over the island axis,
-    the rest mirrored."""
+def _diloco_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstract: Any):
+    """DiLoCo's state, created in rows, and its shardings (`replicator.groups.initial_rows`)."""
     if repl.mesh.shape["tensor"] > 1:
         raise ConfigError(
             "config.diloco keeps the parameters replicated: use a mesh without tensor."
         )
-    islands = repl.mesh.shape[sync.axis]
-    mirrored = jax.tree.map(lambda _: repl.mirrored_sharding, abstract)
-    if islands == 1:
-        return init, mirrored
-    split = NamedSharding(repl.mesh, P(sync.axis))
-    stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (islands, *x.shape)), tree)
-    rows = lambda: diloco.map_islands(init(), stack)
-    return rows, diloco.map_islands(mirrored, lambda tree: jax.tree.map(lambda _: split, tree))
+    return groups.initial_rows(repl.mesh, sync.axis, init, abstract)
 
 
 def _state_shardings(repl: Replicator, abstract: Any) -> Any:
@@ -435,7 +439,9 @@ def _batch_unit(repl: Replicator) -> int:
 def _check_divisible(name: str, size: int, repl: Replicator) -> None:
     unit = _batch_unit(repl)
     if size % unit:
+        processes = jax.process_count()
+        also = f" and {processes} processes" if processes > 1 else ""
         raise ConfigError(
-            f"config.{name}={size} does not split evenly over {repl.num_replicas} replicas "
-            f"and {jax.process_count()} processes; use a multiple of {unit}."
+            f"config.{name}={size} does not split evenly over {repl.num_replicas} replicas"
+            f"{also}; use a multiple of {unit}."
         )

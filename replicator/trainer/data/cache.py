@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from replicator.errors import DatasetError
 from replicator.trainer.data.records import _FIXED_SHAPES, Batch, Example, read_batch
 
 
@@ -147,4 +148,4 @@ def _check_feature_shapes(columns: Batch, batch: Batch) -> None:
     want = jax.tree.map(lambda x: (x.shape[1:], x.dtype), columns)
     got = jax.tree.map(lambda x: (x.shape[1:], x.dtype), batch)
     if want != got:
-        raise ValueError(f"Examples differ in shape or dtype: {want} and {got}. {_FIXED_SHAPES}")
+        raise DatasetError(f"Examples differ in shape or dtype: {want} and {got}. {_FIXED_SHAPES}")

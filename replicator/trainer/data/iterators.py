@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grain
 import numpy as np
 
+from replicator.errors import ConfigError
 from replicator.trainer.data.records import Batch, Example, read_batch
 
 # grain's MapDataset needs a length; the training stream is endless in practice.
@@ -38,7 +39,7 @@ def local_batch_size(global_batch_size: int, process_count: int) -> int:
     24
     """
     if global_batch_size <= 0 or global_batch_size % process_count:
-        raise ValueError(
+        raise ConfigError(
             f"global_batch_size={global_batch_size} must be a positive multiple of "
             f"the number of processes, process_count={process_count}; every "
             "process loads an equal share of each batch."
@@ -141,7 +142,7 @@ class TrainIterator(Iterator[Batch]):
         """
         saved = json.loads(state)
         if not isinstance(saved, dict) or saved.get("stream") != self._stream:
-            raise ValueError(
+            raise ConfigError(
                 f"Cannot restore the training iterator: the state was saved for the stream "
                 f"{saved.get('stream') if isinstance(saved, dict) else saved!r}, but this "
                 f"iterator reads {self._stream}. Resume with the same dataset split, seed "

@@ -10,6 +10,8 @@ import tensorflow_datasets as tfds
 from array_record.python.array_record_data_source import ArrayRecordDataSource
 from tensorflow_datasets.proto import tf_example_pb2
 
+from replicator.errors import DatasetError
+
 Example = dict[str, Any]
 Batch = dict[str, np.ndarray]
 
@@ -78,7 +80,9 @@ class RecordSource(Sequence[Example]):
             stored = tf_example_pb2.Example.FromString(record).features.feature
             for name, values in columns.items():
                 if name not in stored:
-                    raise ValueError(f"Record {index} of {self._source!r} has no feature {name!r}.")
+                    raise DatasetError(
+                        f"Record {index} of {self._source!r} has no feature {name!r}."
+                    )
                 feature = stored[name]
                 values.append(getattr(feature, feature.WhichOneof("kind")).value)
         return {name: self._decoders[name](values) for name, values in columns.items()}
@@ -177,7 +181,7 @@ def _stack(examples: Sequence[Example]) -> Batch:
     try:
         return jax.tree.map(_stack_leaves, *examples)
     except ValueError as e:
-        raise ValueError(f"Cannot stack examples into a batch: {e}. {_FIXED_SHAPES}") from e
+        raise DatasetError(f"Cannot stack examples into a batch: {e}. {_FIXED_SHAPES}") from e
 
 
 def _stack_leaves(*leaves: Any) -> np.ndarray:

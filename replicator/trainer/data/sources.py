@@ -19,14 +19,12 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from replicator import storage
+from replicator.errors import DatasetError
+from replicator.errors import DatasetNotPreparedError as DatasetNotPreparedError
 from replicator.runtime import compat
 from replicator.trainer.data import remote
 from replicator.trainer.data.cache import CachedSource
 from replicator.trainer.data.records import _FILE_FORMAT, Example, RecordSource
-
-
-class DatasetNotPreparedError(ValueError):
-    """A dataset's files are missing and cannot be built on this machine."""
 
 
 def load_data_source(
@@ -173,7 +171,7 @@ def _open_split(
         if not builder.is_prepared():
             message = _not_prepared_message(name, bucket_builder or builder, prepare)
             raise DatasetNotPreparedError(message) from e
-        raise ValueError(
+        raise DatasetError(
             f"Cannot read split {split!r} of dataset {name!r} at {builder.data_dir}, which "
             f"has splits {sorted(builder.info.splits)} stored as "
             f"{builder.info.file_format.value}: {e}"
@@ -191,7 +189,7 @@ def _get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
         # tfds' own message lists every known dataset; say something shorter.
         known = tfds.list_builders(with_community_datasets=False)
         close = difflib.get_close_matches(name.split(":")[0], known, n=5)
-        raise ValueError(
+        raise DatasetError(
             f"Unknown dataset {name!r}. Close matches: {close or 'none'}. "
             f"tfds knows {len(known)} datasets (tfds.list_builders()); builders "
             "defined in this repository register when their module is imported, "

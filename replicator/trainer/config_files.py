@@ -1,0 +1,258 @@
+"""Which config a command runs: the ``--config`` file, or a run's saved one.
+
+``train`` reads the config file named by ``--config FILE[:MODE]``; ``eval`` starts
+from the run's own ``WORKDIR/config.json`` when there is one. Either way the
+command line's ``--config.KEY=VALUE`` overrides go on top, type-checked by
+ml_collections against the keys of the config they apply to. A mistake in any of
+this (a missing file, an unknown key, a value of the wrong type, a workdir that
+holds another experiment) is a `UsageError` or a `ConfigError`, in one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+import sys
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from replicator import storage
+from replicator.errors import UsageError, UserError
+from replicator.trainer import config as config_lib
+from replicator.trainer.console import one_line
+
+FLAGS = flags.FLAGS
+HELP = ("-h", "--help", "-help", "--helpshort", "help")
+
+CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Experiment config file, e.g. configs/digits_cnn.py[:smoke]; eval: the run's "
+    "WORKDIR/config.json is used when it exists.",
+    lock_config=True,
+)
+_file_given = True  # False once eval made WORKDIR/config.json the --config flag
+
+log = logging.getLogger("replicator")
+
+
+def file_given() -> bool:
+    """Whether ``--config`` is a config file (else the run's saved config)."""
+    return _file_given
+
+
+def use_the_runs_config(argv: list[str]) -> None:
+    """eval without --config: makes the flag the run's saved config, so that
+    ``--config.key=value`` overrides apply to it, type-checked."""
+    global _file_given
+    workdir = argv_value(argv, "workdir")
+    if argv_value(argv, "config") is not None or workdir is None:
+        return
+    from replicator.trainer.evaluator import run_config
+
+    storage.check_bucket(workdir)  # "no such bucket" rather than "no config.json"
+    saved = run_config(workdir)
+    if saved is None:
+        if any(arg in HELP for arg in argv):
+            return
+        raise UsageError(
+            f"{saved_path(workdir)} does not exist (not a training run's workdir?); "
+            "pass --config FILE"
+        )
+    help_text = FLAGS["config"].help
+    delattr(FLAGS, "config")
+    sys.argv = [a for a in argv if a not in HELP]
+    try:  # the overrides are parsed here, against the saved config's keys and types
+        config_flags.DEFINE_config_dict("config", saved, help_text, lock_config=True)
+    except Exception as e:  # noqa: BLE001  (ml_collections raises many kinds)
+        raise flag_error(e, argv) from e
+    _file_given = False
+
+
+def check_config_file(argv: list[str]) -> None:
+    """A ``--config`` file that does not exist, in one line (before absl reads it)."""
+    value = argv_value(argv, "config")
+    if value is not None and _file_given:
+        path = value.split(":", 1)[0]
+        if not os.path.isfile(path):
+            raise UsageError(f"config file {path!r} does not exist")
+
+
+def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
+    """train: the config file with its overrides. eval: the run's saved config with the
+    command line's overrides on top (the file's only when the run saved none)."""
+    config = FLAGS.config
+    if command != "eval" or not _file_given:
+        if command == "eval":
+            log.info("eval: the run's config %s%s", saved_path(workdir), overrides_text())
+        return config
+    from replicator.trainer.evaluator import run_config
+
+    saved = run_config(workdir)
+    file = FLAGS["config"].config_filename
+    if saved is None:
+        log.info("eval: the config %s (%s has none saved)%s", file, workdir, overrides_text())
+        return config
+    overrides = config_flags.get_override_values(FLAGS["config"])
+    saved.lock()  # an override names a key of the run's config
+    try:
+        saved.update_from_flattened_dict(overrides)
+    except (TypeError, KeyError, AttributeError) as e:
+        raise UsageError(f"cannot apply{overrides_text()} to the run's config: {e}") from e
+    ignored = [
+        d.split(":")[0]
+        for d in config_lib.config_differences(saved.to_dict(), config.to_dict())
+        if d.split(":")[0] not in overrides
+    ]
+    log.info(
+        "eval: the run's config %s%s%s",
+        saved_path(workdir),
+        overrides_text(),
+        f"; {file} differs in {', '.join(ignored)}, not used" if ignored else "",
+    )
+    return saved
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: str, *, force: bool) -> None:
+    """Refuses a workdir whose run trained another experiment or model (unless ``force``)."""
+    saved = config_lib.read_saved(workdir)
+    if saved is None or force:
+        return
+    keys = [key for key in ("experiment", "model") if key in config]  # the rest: validate's
+    current = config.to_dict()
+    # A key the run's config lacks came with a newer config file: no change unless
+    # overridden now (a different state would not restore anyway, with its own error).
+    overridden = set(config_flags.get_override_values(FLAGS["config"]))
+    changes = config_lib.config_differences(
+        {k: saved.get(k) for k in keys},
+        {k: current.get(k) for k in keys},
+        added_ok=lambda key: not any(o == key or o.startswith(f"{key}.") for o in overridden),
+    )
+    if changes:
+        raise UsageError(
+            f"{workdir} holds a run of another experiment ({'; '.join(changes)}); "
+            "use another --workdir, or --force to train there anyway"
+        )
+
+
+def config_source(workdir: str | None) -> str:
+    """Where ``--config`` came from: the file, or the run's saved config."""
+    return FLAGS["config"].config_filename if _file_given else saved_path(workdir or "WORKDIR")
+
+
+def saved_path(workdir: str) -> str:
+    return storage.join(workdir, "config.json")
+
+
+def overrides_text() -> str:
+    """`` with --config.a=1 --config.b=2``: the command line's overrides ('' if none)."""
+    overrides = config_flags.get_override_values(FLAGS["config"])
+    shown = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+    return f" with {shown}" if shown else ""
+
+
+def argv_value(argv: list[str], name: str) -> str | None:
+    """The value of ``--name`` in ``argv`` (``--name=v`` or ``--name v``), before any ``--``."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith((f"--{name}=", f"-{name}=")):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def flag_error(error: BaseException, argv: list[str]) -> UserError:
+    """A flag parser's error (or a config file's), as one line; a `UserError` that the
+    config file raised (an unknown mode, say) as the first one raised."""
+    cause, raised = error, None
+    while cause is not None:  # ml_collections re-raises the file's error with its traceback
+        raised = cause if isinstance(cause, UserError) else raised
+        cause = cause.__cause__ or cause.__context__
+    if raised is not None:
+        return raised
+    text = str(error)
+    if isinstance(error, (AttributeError, KeyError)):
+        unknown = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
+        if unknown:
+            return _unknown_key(unknown.group(2), argv, unknown.group(1))
+        named = re.fullmatch(r"""["']*([\w.]+)["']*""", text.strip())
+        if named:
+            return _unknown_key(named.group(1), argv)
+        return UsageError(f"unknown config key: {one_line(text)}")
+    return _override_error(text) or UsageError(one_line(text))
+
+
+def _unknown_key(key: str, argv: list[str], close: str | None = None) -> UsageError:
+    """One line for an override naming no key: the key's whole dotted name (ml_collections
+    names its last part only) and the closest key there is."""
+    prefix = ""
+    for arg in argv:
+        path = re.match(r"-?-config\.([\w.]+)", arg)
+        if path and path.group(1).split(".")[-1] == key:
+            prefix = path.group(1)[: -len(key)]
+    if close is None:
+        known = _keys_of_the_file(argv, prefix.rstrip("."))
+        matches = difflib.get_close_matches(key, known, n=1)
+        close = matches[0] if matches else None
+        if close is None and known:
+            where = f"config.{prefix.rstrip('.')}" if prefix else "the config"
+            return UsageError(
+                f"unknown config key {prefix + key!r} ({where} has {', '.join(sorted(known))})"
+            )
+    hint = f" (did you mean {prefix + close!r}?)" if close else ""
+    return UsageError(f"unknown config key {prefix + key!r}{hint}")
+
+
+def _keys_of_the_file(argv: list[str], parent: str) -> list[str]:
+    """The keys under ``parent`` in the ``--config`` file's config, or [] if unreadable."""
+    value = argv_value(argv, "config")
+    if value is None:
+        return []
+    path, _, mode = value.partition(":")
+    try:
+        config = config_lib.config_beside(os.path.abspath(path), os.path.basename(path), mode)
+        for part in filter(None, parent.split(".")):
+            config = config[part]
+        return list(config.keys())
+    except Exception:  # noqa: BLE001  (a hint only: the error line stands without it)
+        return []
+
+
+def _override_error(text: str) -> UsageError | None:
+    unset = re.search(
+        r'Override ([\w.]+) can not be applied because field "([\w.]+)" is None', text
+    )
+    if unset:
+        key, parent = unset.groups()
+        sub = key[len(parent) + 1 :]
+        return UsageError(
+            f"config.{parent} is None in this config, so config.{key} cannot be set alone; "
+            f"""set it whole, e.g. --config.{parent}="{{'{sub}': VALUE}}\""""
+        )
+    literal = re.search(r"Failed to parse '(.*)' as a ConfigDict", text)
+    if literal:
+        return UsageError(
+            f"cannot read {literal.group(1)!r} as a dict: write a Python literal, e.g. "
+            """--config.mesh="{'data': 4}", or set one key, e.g. --config.mesh.data=4"""
+        )
+    return None
+
+
+def parse_for_help(argv: list[str]) -> None:
+    """Parses the flags that were given with ``--help``, to show a config's values."""
+    rest = [a for a in argv if a not in HELP]
+    value = argv_value(rest, "config")
+    if value is not None and not os.path.isfile(value.split(":", 1)[0]):
+        raise UsageError(f"config file {value.split(':', 1)[0]!r} does not exist")
+    sys.argv = rest
+    try:
+        FLAGS(rest)
+    except Exception as e:  # noqa: BLE001  (absl's and the config file's own errors)
+        raise flag_error(e, argv) from e

@@ -1,0 +1,102 @@
+"""What ``--help`` shows: the commands, a command's flags and every config key.
+
+The config keys come from `replicator.trainer.config.describe_keys`, the one
+table of keys, defaults and meanings; with a config given (``train --config FILE
+--help``, or ``eval --workdir DIR --help`` on a run's saved config) a column shows
+its values, its ``model`` settings each on a row.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+import ml_collections
+from absl import flags
+
+from replicator.trainer.config import describe_keys
+
+COMMANDS = {
+    "train": "train a config's experiment in WORKDIR, resuming from its newest checkpoint",
+    "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (one JSON line)",
+    "plot": "draw WORKDIR's metrics as PNG files in WORKDIR/plots/",
+    "launch": "run a command as every process of a multi-process run: local, tpu or slurm",
+}
+SYNOPSIS = {
+    "train": "train --config FILE[:MODE] --workdir DIR [--config.KEY=VALUE ...] [flags]",
+    "eval": "eval --workdir DIR [--config FILE[:MODE]] [--config.KEY=VALUE ...] [flags]",
+    "plot": "plot WORKDIR",
+}
+
+
+def usage() -> str:
+    """``python -m replicator --help``: the commands, each in one line."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: python -m replicator COMMAND [flags]",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()),
+        "",
+        "`python -m replicator COMMAND --help` shows a command's flags (and config keys).",
+        "Example: python -m replicator train --config configs/digits_cnn.py --workdir runs/digits",
+    ]
+    return "\n".join(lines)
+
+
+def command_help(
+    command: str,
+    flag_names: Sequence[str],
+    config: ml_collections.ConfigDict | None = None,
+    source: str = "",
+) -> str:
+    """``python -m replicator COMMAND --help``.
+
+    Args:
+      command: ``train``, ``eval`` or ``plot``.
+      flag_names: the command's flags, in the order to show them.
+      config: the config given, whose values are shown beside the keys' defaults.
+      source: where ``config`` came from (a file, a run's ``config.json``).
+    """
+    what = COMMANDS[command]
+    lines = [
+        f"usage: python -m replicator {SYNOPSIS[command]}",
+        "",
+        f"{what[0].upper()}{what[1:]}.",
+    ]
+    if command == "plot":
+        return "\n".join(lines)
+    lines += ["", "flags:"]
+    for flag in (flags.FLAGS[name] for name in flag_names):
+        name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+        default = flag.default not in (None, False) and flag.name != "config"
+        shown = flag.help + (f" (default: {flag.default})" if default else "")
+        lines.append(textwrap.fill(f"  {name:<17} {shown}", width=100, subsequent_indent=" " * 20))
+    return "\n".join([*lines, "", *keys_table(config, source)])
+
+
+def keys_table(config: ml_collections.ConfigDict | None, source: str = "") -> list[str]:
+    """Every config key with its default and meaning (`describe_keys`), and ``config``'s
+    values when there is one (its ``model`` settings each on a row)."""
+    head, rows = ("KEY", "DEFAULT", "MEANING"), []
+    values = {} if config is None else config.to_dict()
+    for key, default, meaning in describe_keys():
+        value = values.get(key)
+        if config is None:
+            rows.append((key, default, meaning))
+        elif key == "model" and isinstance(value, dict):
+            rows.append((key, default, "", meaning))
+            rows += [(f"model.{k}", "", _clip(repr(v)), "") for k, v in value.items()]
+        else:
+            rows.append((key, default, _clip(repr(value)) if key in values else "", meaning))
+    title = "config keys (override any with --config.KEY=VALUE):"
+    if config is not None:
+        head = ("KEY", "DEFAULT", "THIS CONFIG", "MEANING")
+        title = f"config keys (override any with --config.KEY=VALUE), {source}:"
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head) - 1)]
+    cells = ("  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) for row in (head, *rows))
+    return [title, *(f"  {line}  {row[-1]}".rstrip() for line, row in zip(cells, (head, *rows)))]
+
+
+def _clip(text: str, width: int = 32) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
