@@ -473,3 +473,20 @@ def test_without_git_the_source_tree_is_walked(monkeypatch):
     hidden = [n for n in with_git if any(d.startswith(".") for d in n.split("/")[:-1])]
     assert walked == [n for n in with_git if n not in hidden]
     assert "replicator/runtime/tpu.py" in walked and "pyproject.toml" in walked
+
+
+def test_launch_local_drops_the_libraries_start_up_notices(capsys):
+    import io
+
+    from replicator.runtime import launch
+
+    out = (
+        "[Gloo] Rank 0[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
+        "connected peer ranks is : 1\n"
+        " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+        "W1124 20:39:19.760211   23914 coordination_service.cc:185] [1161] Using "
+        "experimental recoverable task feature. The default shutdown barrier ...\n"
+        "step 3 loss 0.5\n"
+    )
+    launch._prefix_lines(io.StringIO(out), "[1] ")
+    assert capsys.readouterr().out == "[1] step 3 loss 0.5\n"

@@ -438,6 +438,8 @@ def test_elastic_islands_survive_a_killed_island_exactly(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     assert "process 2 died (signal 9)" in done.stderr
     assert "island 0 finished with islands [0, 1]" in done.stdout
+    # The guide's example prints its own lines only: no gloo or coordination-service notices.
+    assert "[Gloo]" not in done.stdout and "coordination_service" not in done.stdout
     reference = run(
         [sys.executable, *ELASTIC[1:], str(tmp_path / "ref"), "--reference", "3",
          "--die-island", "2", "--die-at-step", "7"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -222,8 +223,28 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
+# What the processes' C++ libraries print on every multi-process start, which says
+# nothing a user acts on: gloo's peer count per rank (written by several threads at
+# once, so its pieces interleave within a line), and the coordination service's
+# notice that --elastic turned on JAX's recoverable tasks (which the user asked for).
+_GLOO = re.compile(
+    r"\[Gloo\] Rank \d+|\s*is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+_NOTICE = re.compile(
+    r"^[IW]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] .*recoverable task feature"
+)
+
+
 def _prefix_lines(stream, prefix: str) -> None:
+    """Relays a process's output, each line prefixed, without the start-up noise above."""
     for line in stream:
+        if _NOTICE.search(line):
+            continue
+        if "[Gloo]" in line or "peer ranks" in line:
+            line = _GLOO.sub("", line)
+            if not line.strip():
+                continue
         sys.stdout.write(prefix + line)
         sys.stdout.flush()
 
