@@ -27,6 +27,7 @@ from replicator.dispatch import StepsInFlight
 from replicator.groups import GroupStates, ReplicaGroups
 from replicator.placement import Roles
 from replicator.precision import Policy, expect_policy
+from replicator.sharding import activation_rules
 
 
 class GlobalView:
@@ -39,10 +40,12 @@ class GlobalView:
         in_flight: StepsInFlight,
         groups: ReplicaGroups,
         compiler_options: dict | None,
+        rules: Sequence[Any] | None = None,
     ):
         self.roles, self.precision, self.in_flight, self.groups = (
             roles, precision, in_flight, groups
         )  # fmt: skip
+        self.rules = rules  # the activation rules `sharding.constrain` reads in a step
         self.compiler_options = compiler_options
         self.device_set = set(roles.mesh.devices.flat)  # what NNX objects' arrays must sit on
 
@@ -135,7 +138,8 @@ class Compiled:
             return self.jitted.lower(*args, **kwargs)
 
     def _global_step(self, fn: Callable) -> Callable:
-        return in_global_view(fn, self._view.roles.mesh.abstract_mesh, self._view.precision)
+        view = self._view
+        return in_global_view(fn, view.roles.mesh.abstract_mesh, view.precision, view.rules)
 
     def _bind_replica_axes(self, error: NameError) -> bool:
         """Whether ``error`` means: trace again with the replica axes bound to one
@@ -190,15 +194,19 @@ class Compiled:
 
 
 def in_global_view(
-    fn: Callable, mesh: jax.sharding.AbstractMesh, policy: Policy | None = None
+    fn: Callable,
+    mesh: jax.sharding.AbstractMesh,
+    policy: Policy | None = None,
+    rules: Sequence[Any] | None = None,
 ) -> Callable:
     """``fn`` traced as a global-view step: with the mesh ambient (bare
-    `PartitionSpec`s refer to it) only while tracing, never on each call; told
+    `PartitionSpec`s refer to it) and the Replicator's sharding ``rules`` the ones
+    `sharding.constrain` applies, only while tracing, never on each call; told
     when the Replicator's ``policy`` goes unused (`expect_policy`)."""
 
     @functools.wraps(fn)
     def global_step(*args, **kwargs):
-        with global_view(), jax.sharding.use_abstract_mesh(mesh):
+        with global_view(), jax.sharding.use_abstract_mesh(mesh), activation_rules(rules):
             if policy is None:
                 return fn(*args, **kwargs)
             with expect_policy(policy, fn):

@@ -97,7 +97,9 @@ class Replicator:
         replica_groups = groups.ReplicaGroups(self.mesh, in_flight, options)
         self._programs = ReplicaPrograms(roles, replica_groups, self.precision, in_flight, options)
         self._run_cache, self._run_step = self._programs.cache, self._programs.prepare
-        self._global_view = GlobalView(roles, self.precision, in_flight, replica_groups, options)
+        self._global_view = GlobalView(
+            roles, self.precision, in_flight, replica_groups, options, rules
+        )
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())

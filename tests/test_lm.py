@@ -294,6 +294,33 @@ def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, tr
     assert np.mean(losses[-3:]) < losses[0] - 1.5, losses
 
 
+def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batches, trained):
+    """The rules table places the model's activations too (MaxText's logical axes): on
+    the 2x2x2 cube with the batch over data and fsdp, compile trains like `run`."""
+    rules = (*rp.sharding.DEFAULT_RULES, *rp.sharding.ACTIVATION_RULES)
+    cube = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=rules)
+    experiment = make_experiment(settings(cube))
+    compiled = cube.compile(experiment.train_step)
+    state = cube.replicate(trained["initial"])
+    plain = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2})  # no activation rules
+    constraints = [
+        repl.compile(make_experiment(settings(repl)).train_step)
+        .lower(state, repl.shard_batch(batches[0]))
+        .as_text()
+        .count("sharding_constraint")
+        for repl in (cube, plain)
+    ]
+    assert constraints[0] >= constraints[1] + 4, constraints  # q, k, v, the MLP, residuals
+    state, losses = _train(cube, compiled, state, batches[:3])
+    np.testing.assert_allclose(trained["losses"][:3], losses, rtol=1e-5)
+    # Other reduction orders: Adam's first steps magnify them in near-zero parameters.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        trained["params"][2],
+        jax.device_get(state.params),
+    )
+
+
 def test_microbatches_train_like_the_whole_batch(mesh_2d, batches, trained):
     experiment = make_experiment(settings(mesh_2d, grad_accum_steps=3))  # 1 example each
     run = lambda s, b: mesh_2d.run(experiment.train_step, s, b)

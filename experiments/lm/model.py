@@ -25,7 +25,14 @@ import jax.numpy as jnp
 import optax
 from flax.linen.dtypes import promote_dtype
 
+from replicator.sharding import constrain
+
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
+# The activations' logical axes (MaxText's names): the rules table shards them under
+# `Replicator.compile` (`replicator.sharding.constrain`); under `run` they are no-ops.
+ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
+ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
@@ -113,7 +120,7 @@ class SelfAttention(nn.Module):
         if self.use_bias:
             bias = self.param("qkv_bias", _zeros((None, HEADS, KV)), shape[1:])
             qkv_BxTx3xHxD = qkv_BxTx3xHxD + jnp.asarray(bias, qkv_BxTx3xHxD.dtype)
-        q, k, v = (qkv_BxTx3xHxD[:, :, i] for i in range(3))
+        q, k, v = (constrain(qkv_BxTx3xHxD[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
         if self.rotary:
             q, k = apply_rotary(q), apply_rotary(k)
         implementation = attention_implementation(self.attention, q.dtype, self.head_dim)
@@ -152,6 +159,7 @@ class FeedForward(nn.Module):
             bias_init=_zeros((MLP,)),
             name="fc",
         )(x_BxTxE)
+        hidden = constrain(hidden, ACTIVATION_BxTxM)
         return nn.Dense(
             embed_dim,
             use_bias=self.use_bias,
@@ -190,10 +198,10 @@ class Block(nn.Module):
             self.dtype,
             name="attention",
         )(h)
-        x_BxTxE = x_BxTxE + dropout(h)
+        x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
         h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
-        return x_BxTxE + dropout(h)
+        return constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
 
 
 class Head(nn.Module):
