@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from replicator import graphs
+from replicator.activations import activation_rules
 from replicator.context import AxisNameError, global_view
 from replicator.dispatch import StepsInFlight
 from replicator.groups import GroupStates, ReplicaGroups
 from replicator.placement import Roles
 from replicator.precision import Policy, expect_policy
-from replicator.sharding import activation_rules
 
 
 class GlobalView:
@@ -45,7 +45,7 @@ class GlobalView:
         self.roles, self.precision, self.in_flight, self.groups = (
             roles, precision, in_flight, groups
         )  # fmt: skip
-        self.rules = rules  # the activation rules `sharding.constrain` reads in a step
+        self.rules = rules  # the activation rules `activations.constrain` reads in a step
         self.compiler_options = compiler_options
         self.device_set = set(roles.mesh.devices.flat)  # what NNX objects' arrays must sit on
 
@@ -201,7 +201,7 @@ def in_global_view(
 ) -> Callable:
     """``fn`` traced as a global-view step: with the mesh ambient (bare
     `PartitionSpec`s refer to it) and the Replicator's sharding ``rules`` the ones
-    `sharding.constrain` applies, only while tracing, never on each call; told
+    `activations.constrain` applies, only while tracing, never on each call; told
     when the Replicator's ``policy`` goes unused (`expect_policy`)."""
 
     @functools.wraps(fn)

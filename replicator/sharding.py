@@ -44,8 +44,6 @@ The functions are pure: they take the mesh and rules and return shardings;
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import dataclasses
 import math
 import re
@@ -67,82 +65,14 @@ Rule = tuple[str, Any]
 DEFAULT_RULES: tuple[Rule, ...] = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"))
 """FSDP over the embedding width and Megatron-style tensor parallelism (the MLP's
 hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
-stay whole. Activations are left to the compiler: `ACTIVATION_RULES` opts in."""
-
-ACTIVATION_RULES: tuple[Rule, ...] = (
-    ("activation_batch", ("data", "fsdp")),
-    ("activation_heads", "tensor"),
-    ("activation_mlp", "tensor"),
-)
-"""MaxText's placement of activations named with `constrain`: the batch over ``data``
-and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``. Add them to
-the rules, e.g. ``rules=(*DEFAULT_RULES, *ACTIVATION_RULES)``."""
+stay whole. Activations are left to the compiler:
+`replicator.activations.ACTIVATION_RULES` opts in."""
 
 MIN_SHARD_SIZE = 2**14
 """Parameters with fewer elements (64 KiB in float32) stay replicated."""
 
 _AUTO_FSDP = "auto fsdp (largest divisible dimension)"
 _SMALL = "below min_size: replicated"
-
-
-_ACTIVATION_RULES: contextvars.ContextVar[tuple[Rule, ...] | None] = contextvars.ContextVar(
-    "activation_rules", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_rules(rules: Sequence[Rule] | None):
-    """Makes ``rules`` (None: `DEFAULT_RULES`) the ones `constrain` reads; `compile`
-    sets its Replicator's while it traces a step."""
-    token = _ACTIVATION_RULES.set(tuple(DEFAULT_RULES if rules is None else rules))
-    try:
-        yield
-    finally:
-        _ACTIVATION_RULES.reset(token)
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """``x`` placed on the mesh as its dimensions' logical ``names`` say, by the rules
-    of the `Replicator` compiling the step (MaxText's logical activation axes: e.g.
-    ``("activation_batch", "activation_length", "activation_embed")``).
-
-    Under `Replicator.compile` this is a sharding constraint: a name's rule gives
-    its mesh axes (one or several; axes of size 1, axes an earlier dimension took,
-    and splits that do not divide are left out). Anywhere else (under `run`, where
-    each replica holds its own part already, or in plain JAX) it returns ``x``.
-
-    >>> constrain(jnp.ones((4, 8)), ("activation_batch", "activation_embed")).shape
-    (4, 8)
-    """
-    rules = _ACTIVATION_RULES.get()
-    mesh = jax.sharding.get_abstract_mesh()
-    if rules is None or mesh.empty:
-        return x
-    if len(names) != np.ndim(x):
-        raise ValueError(
-            f"constrain: {len(names)} names {tuple(names)} for a {np.ndim(x)}-d value."
-        )
-    taken: set[str] = set()
-    parts = []
-    for size, name in zip(np.shape(x), names):
-        axes = _rule_axes(name, rules)
-        axes = tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
-        axes = tuple(a for a in axes if a not in taken)
-        if not axes or size % math.prod(mesh.shape[a] for a in axes):
-            parts.append(None)
-            continue
-        taken.update(axes)
-        parts.append(axes[0] if len(axes) == 1 else axes)
-    if not any(parts):  # no rule for these names: the compiler places it, as without
-        return x
-    return jax.lax.with_sharding_constraint(x, P(*parts))
-
-
-def _rule_axes(name: str | None, rules: Sequence[Rule]) -> tuple[str, ...]:
-    for key, target in rules:
-        if key == name and _names_mesh_axes(key, target):
-            return _as_axes(target)
-    return ()
 
 
 class ShardingWarning(UserWarning):

@@ -65,6 +65,9 @@ def test_replicator_methods_of_the_contract():
         "replicator.precision",
         "replicator.context",
         "replicator.replicator",
+        "replicator.activations",
+        "replicator.transforms",
+        "replicator.optim",
     ],
 )
 def test_docstring_examples_run(module):

@@ -21,6 +21,7 @@ import replicator as rp
 from experiments.datasets import text
 from experiments.datasets.base import LocalBuilder
 from experiments.lm import Transformer, count_params, make_experiment, make_preprocess, summarize
+from replicator import activations
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 
@@ -297,7 +298,7 @@ def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, tr
 def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batches, trained):
     """The rules table places the model's activations too (MaxText's logical axes): on
     the 2x2x2 cube with the batch over data and fsdp, compile trains like `run`."""
-    rules = (*rp.sharding.DEFAULT_RULES, *rp.sharding.ACTIVATION_RULES)
+    rules = (*rp.sharding.DEFAULT_RULES, *activations.ACTIVATION_RULES)
     cube = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=rules)
     experiment = make_experiment(settings(cube))
     compiled = cube.compile(experiment.train_step)

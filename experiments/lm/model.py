@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import optax
 from flax.linen.dtypes import promote_dtype
 
-from replicator.sharding import constrain
+from replicator.activations import constrain
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 # The activations' logical axes (MaxText's names): the rules table shards them under
-# `Replicator.compile` (`replicator.sharding.constrain`); under `run` they are no-ops.
+# `Replicator.compile` (`replicator.activations.constrain`); under `run` they are no-ops.
 ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
 ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")

@@ -1,0 +1,92 @@
+"""Activations placed by the rules table, as MaxText places them.
+
+A model names its activations' dimensions with logical axes (MaxText's names:
+``activation_batch``, ``activation_length``, ``activation_embed``,
+``activation_heads``, ``activation_kv``, ``activation_mlp``) through `constrain`.
+Under `Replicator.compile`, which makes its rules the ones read here while it
+traces a step (`activation_rules`), that is a sharding constraint by those rules,
+written as parameter rules are (`replicator.sharding`); anywhere else (under
+`run`, where each replica holds its own part, or in plain JAX) it is nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from replicator.sharding import DEFAULT_RULES, Rule, _as_axes, _names_mesh_axes
+
+ACTIVATION_RULES: tuple[Rule, ...] = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+)
+"""MaxText's placement of activations named with `constrain`: the batch over ``data``
+and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``. Add them to
+the rules, e.g. ``rules=(*DEFAULT_RULES, *ACTIVATION_RULES)``."""
+
+
+_ACTIVATION_RULES: contextvars.ContextVar[tuple[Rule, ...] | None] = contextvars.ContextVar(
+    "activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Sequence[Rule] | None):
+    """Makes ``rules`` (None: `DEFAULT_RULES`) the ones `constrain` reads; `compile`
+    sets its Replicator's while it traces a step."""
+    token = _ACTIVATION_RULES.set(tuple(DEFAULT_RULES if rules is None else rules))
+    try:
+        yield
+    finally:
+        _ACTIVATION_RULES.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` placed on the mesh as its dimensions' logical ``names`` say, by the rules
+    of the `Replicator` compiling the step (MaxText's logical activation axes: e.g.
+    ``("activation_batch", "activation_length", "activation_embed")``).
+
+    Under `Replicator.compile` this is a sharding constraint: a name's rule gives
+    its mesh axes (one or several; axes of size 1, axes an earlier dimension took,
+    and splits that do not divide are left out). Anywhere else (under `run`, where
+    each replica holds its own part already, or in plain JAX) it returns ``x``.
+
+    >>> constrain(jnp.ones((4, 8)), ("activation_batch", "activation_embed")).shape
+    (4, 8)
+    """
+    rules = _ACTIVATION_RULES.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return x
+    if len(names) != np.ndim(x):
+        raise ValueError(
+            f"constrain: {len(names)} names {tuple(names)} for a {np.ndim(x)}-d value."
+        )
+    taken: set[str] = set()
+    parts = []
+    for size, name in zip(np.shape(x), names):
+        axes = _rule_axes(name, rules)
+        axes = tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a not in taken)
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
+            parts.append(None)
+            continue
+        taken.update(axes)
+        parts.append(axes[0] if len(axes) == 1 else axes)
+    if not any(parts):  # no rule for these names: the compiler places it, as without
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*parts))
+
+
+def _rule_axes(name: str | None, rules: Sequence[Rule]) -> tuple[str, ...]:
+    for key, target in rules:
+        if key == name and _names_mesh_axes(key, target):
+            return _as_axes(target)
+    return ()
