@@ -24,7 +24,10 @@ from replicator import storage
 from tests import gcs
 from tests.test_checkpoint import final_params, tensorboard_scalars
 from tests.test_multiprocess import TRAIN as MULTI_TRAIN
-from tests.test_multiprocess import one_by_eight  # noqa: F401  (a fixture)
+from tests.test_multiprocess import (
+    one_by_eight,  # noqa: F401  (a fixture)
+    train_2x4,
+)
 from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,23 +266,9 @@ def test_two_processes_share_one_run_on_a_bucket(
     1 x 8 run's steps (to float32 rounding: gloo sums in another order)."""
     workdir = f"{bucket}/runs/2x4"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "replicator",
-            "launch",
-            "local",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            "train",
-            *absolute(MULTI_TRAIN),
-            "--workdir",
-            workdir,
-            f"--config.data_dir={digits_data_dir}",
-        ],  # fmt: skip
+        train_2x4(
+            *absolute(MULTI_TRAIN), "--workdir", workdir, f"--config.data_dir={digits_data_dir}"
+        ),
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -35,6 +35,14 @@ def replicator_cmd(*args):
     return [sys.executable, "-m", "replicator", *args]
 
 
+def train_2x4(*train_args):
+    """``launch local`` of ``train TRAIN_ARGS`` as 2 processes x 4 fake devices."""
+    return replicator_cmd(
+        "launch", "local", "--processes", "2", "--devices-per-process", "4", "--", "train",
+        *train_args,
+    )  # fmt: skip
+
+
 def run(cmd, env=None, timeout=300):
     env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -67,22 +75,7 @@ def one_by_eight(tmp_path_factory, digits_data_dir):
 
 def test_two_processes_train_like_one(tmp_path, digits_data_dir, one_by_eight):
     workdir = str(tmp_path / "2x4")
-    done = run(
-        replicator_cmd(
-            "launch",
-            "local",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            "train",
-            *TRAIN,
-            "--workdir",
-            workdir,
-            f"--config.data_dir={digits_data_dir}",
-        )
-    )
+    done = run(train_2x4(*TRAIN, "--workdir", workdir, f"--config.data_dir={digits_data_dir}"))
     assert done.returncode == 0, done.stdout[-3000:]
     assert "[0] Final test metrics after 30 steps" in done.stdout
     assert "[1] Final test metrics" not in done.stdout  # only process 0 reports

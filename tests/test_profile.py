@@ -21,6 +21,7 @@ from replicator import storage, trainer
 from replicator.trainer import actions
 from replicator.trainer.config import ConfigError, validate
 from tests import gcs
+from tests.test_multiprocess import train_2x4
 from tests.test_train import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -94,18 +95,7 @@ def test_capture_every_process_of_a_running_job_on_demand(tmp_path, digits_data_
     captures.mkdir()
     with open(tmp_path / "job.out", "w") as out:
         job = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "replicator",
-                "launch",
-                "local",
-                "--processes",
-                "2",
-                "--devices-per-process",
-                "4",
-                "--",
-                "train",
+            train_2x4(
                 "--config",
                 "configs/digits_cnn.py",
                 "--workdir",
@@ -118,7 +108,7 @@ def test_capture_every_process_of_a_running_job_on_demand(tmp_path, digits_data_
                 "--config.profile_steps=2,3",
                 f"--config.profile_port={port}",
                 "--quiet",
-            ],  # fmt: skip
+            ),  # fmt: skip
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
