@@ -32,8 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check replicator experiments configs tests benchmarks
-	$(BIN)/ruff format --check replicator experiments configs tests benchmarks
+	$(BIN)/ruff check replicator experiments configs tests benchmarks examples
+	$(BIN)/ruff format --check replicator experiments configs tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs

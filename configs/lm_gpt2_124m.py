@@ -3,7 +3,8 @@
 Trains the 12-layer, 768-wide, 12-head decoder of GPT-2 small (learned
 positions, tied embeddings, context 1024; 124M parameters with GPT-2's
 50,257-token vocabulary, 86M with bytes) in bf16 from float32 parameters,
-with AdamW at 6e-4 (100 warmup steps, cosine decay to 10%), a global batch
+with AdamW at 6e-4 (betas 0.9, 0.95; weight decay 0.1; gradients clipped at
+norm 1; 100 warmup steps, cosine decay to 10%), a global batch
 of 16 windows (16,384 tokens), with parameters and optimizer state sharded
 over every local device (FSDP, ``fsdp=-1``; data parallelism instead:
 ``--config.mesh.data=-1 --config.mesh.fsdp=1``).
@@ -49,7 +50,6 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         attention="auto",  # cuDNN on GPUs in bf16/fp16, XLA elsewhere
         remat=False,
         loss_chunk=0,  # e.g. 128: logits 128 positions at a time (large vocabularies); 0: all
-        warmup_steps=100,  # linear warmup, then cosine decay to 10% at num_train_steps
     )
     c.dataset = "python_stdlib/all_1024"
     c.batch_size = 16  # global, in windows of 1024 tokens
@@ -57,6 +57,12 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     c.num_train_steps = 2000
     c.learning_rate = 6e-4
     c.optimizer = "adamw"
+    c.optimizer_args = dict(b1=0.9, b2=0.95)
+    c.weight_decay = 0.1  # decoupled, on the matrices only (not biases, norms)
+    c.lr_schedule = "cosine"
+    c.warmup_steps = 100  # linear warmup, then cosine decay to 10% at num_train_steps
+    c.lr_end_fraction = 0.1
+    c.grad_clip_norm = 1.0
     c.seed = 0
     c.mesh = dict(data=1, fsdp=-1, tensor=1)  # every axis, so each can be overridden
     c.precision = "bf16"
@@ -67,13 +73,12 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     c.best_mode = "min"
 
     if mode == "smoke":
-        c.model.update(
-            num_layers=1, num_heads=2, embed_dim=32, mlp_dim=128, max_len=128, warmup_steps=2
-        )
+        c.model.update(num_layers=1, num_heads=2, embed_dim=32, mlp_dim=128, max_len=128)
         c.dataset = "python_stdlib/modules_128"
         c.batch_size = 16
         c.eval_batch_size = 64
         c.num_train_steps = 4
+        c.warmup_steps = 2
         c.log_every_steps = 2
         c.eval_every_steps = 2
         c.checkpoint_every_steps = 2

@@ -45,7 +45,6 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         attention="auto",  # cuDNN on GPUs in bf16/fp16, XLA elsewhere
         remat=False,
         loss_chunk=0,  # e.g. 128: logits 128 positions at a time (large vocabularies); 0: all
-        warmup_steps=0,  # >0: linear warmup, then cosine decay to 10% at num_train_steps
     )
     c.dataset = "python_stdlib/modules_128"
     c.batch_size = 32  # global, in windows of 128 tokens

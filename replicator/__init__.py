@@ -5,6 +5,7 @@ Write a step function as if for one device; `Replicator.run` (per replica, on
 runs it on every device.
 """
 
+from replicator import ema as ema  # rp.ema.track: an EMA of the parameters
 from replicator.checkpoint import Checkpoints as Checkpoints
 from replicator.context import AxisNameError as AxisNameError
 from replicator.context import ReplicaContext as ReplicaContext
@@ -15,6 +16,8 @@ from replicator.errors import UserError as UserError
 from replicator.losses import compute_average_loss as compute_average_loss
 from replicator.losses import global_sum as global_sum
 from replicator.losses import scale_regularization_loss as scale_regularization_loss
+from replicator.optim import grad_norm as grad_norm
+from replicator.optim import narrow_sum as narrow_sum
 from replicator.per_replica import PerReplica as PerReplica
 from replicator.precision import LossScale as LossScale
 from replicator.precision import Policy as Policy

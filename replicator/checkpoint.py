@@ -322,6 +322,12 @@ class Checkpoints:
 
         return _marked_like(self._restore_readable(step, read, strict), like)
 
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        """The shape of every array saved with ``step``, by its path (``params/Dense_0/kernel``:
+        the keys joined by ``/``, as restoring names them)."""
+        self._check_structure(step, {}, partial=True)  # a step without a readable state fails
+        return _shapes(self._manager.item_metadata(step)["state"])
+
     def saved_data_state(self, step: int) -> Any:
         """The ``data_state`` saved with ``step``, or None if it was saved without one."""
         return self._read_json(step).get("data")
@@ -571,7 +577,8 @@ def _path_str(path) -> str:
 
 def _shapes(tree: PyTree) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {_path_str(p): _stored_shape(x) for p, x in flat}
+    # (Orbax's placeholder, ``...``, marks a leaf not to read.)
+    return {_path_str(p): _stored_shape(x) for p, x in flat if x is not ocp.PLACEHOLDER}
 
 
 def _stored_shape(x: Any) -> tuple:

@@ -69,6 +69,10 @@ class _StepTrace:
 
     name: str
     global_batch_loss: bool = False  # went through compute_average_loss or the like
+    # id(a gradient summed across replicas) -> this replica's own part of the sum
+    own: dict = dataclasses.field(default_factory=dict)
+    keep: list = dataclasses.field(default_factory=list)  # keeps the ids above valid
+    memo: dict = dataclasses.field(default_factory=dict)  # see `step_memo`
 
 
 _TRACE: contextvars.ContextVar[_StepTrace | None] = contextvars.ContextVar(
@@ -101,6 +105,33 @@ def warn_if_loss_not_averaged() -> None:
         "the global batch is right; then ignore this.)",
         stacklevel=3,
     )
+
+
+def remember_own_gradient(total: jax.Array, own: jax.Array) -> None:
+    """Records, while `Replicator.run` traces a step, that ``total`` is the cross-replica
+    sum of ``own`` (this replica's gradient, possibly in the narrower dtype the sum
+    is carried in): the wrapped optimizer sums ``own`` its own way instead (ZeRO's
+    reduce-scatter, an aggregator), and the sum ``total`` is dead code unless the
+    step reads it."""
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.own[id(total)] = own
+        trace.keep += [total, own]
+
+
+def own_gradient(total: jax.Array) -> jax.Array | None:
+    """This replica's own part of the summed gradient ``total``, if `remember_own_gradient`
+    recorded one in the step being traced, else None."""
+    trace = _TRACE.get()
+    return None if trace is None else trace.own.get(id(total))
+
+
+def step_memo() -> dict | None:
+    """A dict that lasts while `Replicator.run` traces one step (None elsewhere), for a
+    value a later part of the step finds again: `replicator.optim`'s aggregated
+    gradients, made once ahead of the update that reads them."""
+    trace = _TRACE.get()
+    return None if trace is None else trace.memo
 
 
 _GLOBAL_VIEW: contextvars.ContextVar[bool] = contextvars.ContextVar("global_view", default=False)

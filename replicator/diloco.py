@@ -194,9 +194,14 @@ def _rebuild_state(island_axis: str | None, values: tuple) -> DiLoCoState:
 
 
 def wrap(
-    tx: optax.GradientTransformationExtraArgs, policy: DiLoCo, axis_names: tuple[str, ...]
+    tx: optax.GradientTransformationExtraArgs,
+    policy: DiLoCo,
+    axis_names: tuple[str, ...],
+    sum_within: Callable[[PyTree, tuple[str, ...]], PyTree] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """``tx`` as DiLoCo's inner optimizer, under ``policy`` (see the module doc)."""
+    """``tx`` as DiLoCo's inner optimizer, under ``policy`` (see the module doc).
+    ``sum_within(grads, axes)`` sums the gradients over an island's replica ``axes``
+    (None: each leaf over those it varies over; `replicator.optim`'s aggregators)."""
     outer_tx = policy.outer
     # Elastic islands are processes: on the mesh, the replicas are one island.
     make_state = state_type(None if policy.elastic else policy.axis)
@@ -225,7 +230,10 @@ def wrap(
         def reduce(mine, theirs):  # the islands' mean outer gradient
             return _mean_over_islands(mine, theirs, island, islands, policy.outer_dtype)
 
-        grads = jax.tree.map(lambda g: sum_varying(g, inner_axes), grads)
+        if sum_within is None:
+            grads = jax.tree.map(lambda g: sum_varying(g, inner_axes), grads)
+        else:
+            grads = sum_within(grads, inner_axes)
         if scale > 1:
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, inner = tx.update(grads, state.inner, params, **extra)
@@ -299,11 +307,11 @@ def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
             "without fsdp, or rules that leave them replicated)."
         )
     ctx = get_replica_context()
+    inner = summing_axes(policy, axis_names)
     if ctx is None or policy.axis not in ctx.axis_name or policy.elastic:
         # Plain jax.jit on one device, or an island axis of size 1: one island.
-        return None, tuple(ctx.axis_name) if ctx else (), 1, 1
+        return None, inner, 1, 1
     islands = jax.lax.axis_size(policy.axis)
-    inner = tuple(a for a in axis_names if a != policy.axis)
     for g in jax.tree.leaves(grads):
         if policy.axis not in varying_axes(g, axis_names):
             raise ValueError(
@@ -315,6 +323,18 @@ def _islands(policy: DiLoCo, axis_names: tuple[str, ...], grads: PyTree):
             )
     # Losses are scaled by the global batch: the island's sum is 1/islands of its mean.
     return policy.axis, inner, islands, islands
+
+
+def summing_axes(policy: DiLoCo, axis_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The replica axes an island's gradients are summed over in the step being traced:
+    those inside an island under `Replicator.run` (all of them where the replicas are
+    one island), none in the global view or outside ``run``."""
+    ctx = get_replica_context()
+    if in_global_view() or ctx is None:
+        return ()
+    if policy.axis not in ctx.axis_name or policy.elastic:
+        return tuple(ctx.axis_name)
+    return tuple(a for a in axis_names if a != policy.axis)
 
 
 def _mean_over_islands(mine, theirs, island, islands, dtype) -> list:

@@ -264,7 +264,13 @@ class Replicator:
         return reduction.reduce(op, value, self.num_replicas, self._in_flight)
 
     def wrap_optimizer(
-        self, tx: optax.GradientTransformation, sync: diloco.DiLoCo | None = None
+        self,
+        tx: optax.GradientTransformation,
+        sync: diloco.DiLoCo | None = None,
+        *,
+        aggregate: optim.Aggregator | None = None,
+        clip_norm: float | None = None,
+        track_norm: bool = False,
     ) -> optax.GradientTransformation:
         """Wraps an optax optimizer so per-replica gradients are summed across replicas
         (`replicator.optim`): with `compute_average_loss`, the gradient of the global-batch
@@ -274,10 +280,23 @@ class Replicator:
         through an outer optimizer every H steps (`replicator.diloco`; under `run` and
         `compile`). This Replicator is left as it was: the optimizer's state says where the
         groups are.
+
+        Between the sum and ``tx``: ``aggregate`` replaces the sum (``aggregate(grads,
+        cross_replica_sum)``, given each replica's own gradients, e.g. `rp.narrow_sum`);
+        ``clip_norm`` clips the summed gradients by their global norm, exactly as one
+        device would clip the global batch's; ``track_norm`` (implied by ``clip_norm``)
+        keeps that norm in the state (`optim.GradNormState`, read by `rp.grad_norm`).
         """
         if sync is not None:
             groups.check_sync(sync)
-        return optim.wrap_optimizer(tx, self.axis_name, sync)
+        return optim.wrap_optimizer(
+            tx,
+            self.axis_name,
+            sync,
+            aggregate=aggregate,
+            clip_norm=clip_norm,
+            track_norm=track_norm,
+        )
 
     def apply_policy(self, model: Any) -> Any:
         """``model`` (a Flax linen or NNX module) under this Replicator's precision policy: with

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator import diloco, transforms, zero
+from replicator import diloco, optim, transforms, zero
 from replicator.context import get_replica_context
 from replicator.precision import LossScale, Policy, get_policy
 from replicator.transforms import all_finite as all_finite  # where the benchmarks import it
@@ -44,6 +44,9 @@ class TrainState:
       loss_scale: the dynamic loss scale (fp16), or None.
       skipped_steps: how many updates were skipped for non-finite gradients.
       grad_accum_steps: microbatches each replica's batch is split into.
+      per_replica_grads: whether `value_and_grad` keeps each replica's own
+        gradients beside their sums, for an optimizer that aggregates them
+        (``wrap_optimizer(aggregate=...)``; `create` sets it from ``tx``).
     """
 
     step: jax.Array
@@ -54,6 +57,7 @@ class TrainState:
     loss_scale: LossScale | None = None
     skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.int32(0))
     grad_accum_steps: int = struct.field(pytree_node=False, default=1)
+    per_replica_grads: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(
@@ -93,6 +97,7 @@ class TrainState:
             model_state=model_state,
             loss_scale=loss_scale,
             grad_accum_steps=grad_accum_steps,
+            per_replica_grads=optim.needs_replica_gradients(tx),
         )
 
     def value_and_grad(
@@ -108,7 +113,8 @@ class TrainState:
         and the gradients unscaled by ``loss_scale``; ``grad_accum_steps``
         microbatches, their losses, gradients and ``aux`` summed, their new model
         states averaged; under `Replicator.run`, sharded parameters' gradients
-        left for the optimizer to reduce-scatter. Pass them to `apply_gradients`.
+        left for the optimizer to reduce-scatter (with ``per_replica_grads``, every
+        gradient's own part kept for its aggregator). Pass them to `apply_gradients`.
 
         Args:
           loss_fn: ``loss_fn(params, batch) -> loss``, or ``(loss, aux)`` with
@@ -121,12 +127,12 @@ class TrainState:
         Returns:
           ``(value, grads)``, ``value`` shaped as ``loss_fn``'s result (unscaled).
         """
-        k, scale = self.grad_accum_steps, self.loss_scale
+        k, scale, every = self.grad_accum_steps, self.loss_scale, self.per_replica_grads
         loss = transforms.scale_loss(_split_loss(loss_fn, self.model_state, has_aux), scale)
         grad_fn = transforms.accumulate_gradients(jax.grad(loss, has_aux=True), k)
-        if zero.defers_gradient_sum(self.params) or (k > 1 and get_replica_context()):
+        if zero.defers_gradient_sum(self.params, every) or (k > 1 and get_replica_context()):
             grad_fn = transforms.restore_invariance(grad_fn, loss, k, self.params)
-        grad_fn = zero.defer_gradient_sum(transforms.unscale_gradients(grad_fn, scale))
+        grad_fn = zero.defer_gradient_sum(transforms.unscale_gradients(grad_fn, scale), every)
         grads, (value, new_state, aux) = grad_fn(self.params, batch)
         if self.model_state is not None:
             return (value, (new_state, aux) if has_aux else new_state), grads
@@ -145,7 +151,9 @@ class TrainState:
         A skipped step (`transforms.apply_if_finite`, alike on every replica) keeps
         parameters, optimizer state and model state, counts in ``skipped_steps`` and
         halves the loss scale. Under `Replicator.run`, sharded parameters are
-        updated as this device's slices (`zero.update_slices`).
+        updated as this device's slices (`zero.update_slices`). With an optimizer
+        that aggregates each replica's own gradients (``per_replica_grads``), its
+        sum is made first (`optim.sum_ahead`) and checked, as the sum is without one.
 
         Args:
           grads: the gradients, from `value_and_grad`.
@@ -161,7 +169,11 @@ class TrainState:
             )
         update = _optimizer_update(tx, grads, self.params)
         update = (transforms.apply_if_finite if skip_nonfinite else transforms.apply_always)(update)
-        (params, opt_state), finite = zero.update_slices(update, grads, self.params, self.opt_state)
+        # An aggregator's sum, made outside the guard's conditional: checked, and sliced.
+        summed = optim.sum_ahead(tx, grads) if self.per_replica_grads else grads
+        (params, opt_state), finite = zero.update_slices(
+            update, summed, self.params, self.opt_state
+        )
         model_state = _kept_model_state(model_state, self.model_state, finite, skip_nonfinite)
         return self.replace(
             step=self.step + 1,

@@ -7,7 +7,8 @@ Two kinds, each a function that wraps another, as optax's ``apply_if_finite`` an
   with ``has_aux`` of a loss that `scale_loss` may scale), is wrapped by
   `accumulate_gradients` (microbatches in one step), `unscale_gradients` (the
   loss scale undone), `restore_invariance` (values computed from the parameters
-  alone, mirrored again) and `replicator.zero.defer_gradient_sum` (ZeRO);
+  alone, mirrored again) and `replicator.zero.defer_gradient_sum` (ZeRO, and
+  an aggregating optimizer's per-replica gradients);
 - an update, ``update(params, opt_state) -> (params, opt_state)``, is wrapped by
   `apply_if_finite` (the non-finite guard; `apply_always` without it), which
   `replicator.zero.update_slices` runs on this device's slices of sharded

@@ -14,7 +14,8 @@ once per step however many microbatches); nothing else of size. For that,
 gathered parameters typed varying (`unsummed`), so autodiff leaves each device
 its own gradient instead of all-reducing it whole; the step still reads the
 summed gradient (`summed`), an all-reduce XLA drops as dead code unless the step
-uses it (a norm, a clip). The wrapped optimizer (`shard_optimizer`, inside
+uses it (a norm). (With ``every``, for an aggregator in `replicator.optim`, every
+parameter's gradient is deferred alike.) The wrapped optimizer (`shard_optimizer`, inside
 `replicator.optim`'s wrapper) updates each device's slice of each parameter with
 its slice of the gradient and of the optimizer state, and
 `TrainState.apply_gradients` runs its update through `update_slices`, which
@@ -55,7 +56,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator.context import sum_varying, vary, varying_axes
+from replicator.context import (
+    get_replica_context,
+    own_gradient,
+    remember_own_gradient,
+    sum_varying,
+    vary,
+    varying_axes,
+)
 from replicator.runtime import compat
 
 PyTree = Any
@@ -82,8 +90,6 @@ class _Trace:
     by_slice_shape: dict[tuple, set] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(set)
     )
-    # id(summed gradient) -> this device's own, unsummed gradient (see `unsummed`)
-    partial_of: dict[int, Any] = dataclasses.field(default_factory=dict)
     # id(summed gradient) -> (this device's slice of it, spec, it), while `scattered` lasts
     grad_slice: dict[int, tuple] = dataclasses.field(default_factory=dict)
     keep: list = dataclasses.field(default_factory=list)  # keeps the ids above valid
@@ -232,71 +238,99 @@ def output_sharding(x: jax.Array, varying: Sequence[str], path: tuple) -> NamedS
 # ---------------------------------------------------------------- gradients
 
 
-def unsummed(params: PyTree) -> tuple[PyTree, list[bool] | None]:
-    """``params`` to differentiate so that each sharded parameter's gradient stays
-    this device's own, unsummed: the gathered parameter typed varying over the
+def unsummed(params: PyTree, every: bool = False) -> tuple[PyTree, list | None]:
+    """``params`` to differentiate so that each sharded parameter's gradient (with
+    ``every``, each floating parameter's: for an aggregator, `replicator.optim`)
+    stays this device's own, unsummed: the parameter typed varying over the
     replica axes. (Autodiff would all-reduce it whole: the transpose of an
     invariant value used by a per-replica loss is a ``psum``.) `summed` hands the
-    step the sum it expects; the wrapped optimizer reduce-scatters the unsummed
-    gradient instead. Returns the marks `summed` needs, None if nothing is sharded.
+    step the sum it expects; the wrapped optimizer sums the unsummed gradient its
+    own way instead. Returns, per leaf, the replica axes `summed` sums it over
+    (those autodiff would have), or None if nothing is deferred.
     """
-    marks = _unsummed_marks(params)
+    marks = _unsummed_marks(params, every)
     if marks is None:
         return params, None
-    trace = _CURRENT.get()
     leaves, treedef = jax.tree.flatten(params)
-    varied = [vary(x, trace.axes) if m else x for x, m in zip(leaves, marks)]
+    varied = [vary(x, axes) if axes else x for x, axes in zip(leaves, marks)]
     return jax.tree.unflatten(treedef, varied), marks
 
 
-def defers_gradient_sum(params: PyTree) -> bool:
-    """Whether `defer_gradient_sum` types any of ``params`` varying (ZeRO under run)."""
-    return _unsummed_marks(params) is not None
+def defers_gradient_sum(params: PyTree, every: bool = False) -> bool:
+    """Whether `defer_gradient_sum` types any of ``params`` varying (ZeRO, or ``every``,
+    under run)."""
+    return _unsummed_marks(params, every) is not None
 
 
-def _unsummed_marks(params: PyTree) -> list[bool] | None:
-    trace = _CURRENT.get()
-    if trace is None or not trace.wholes:
+def _unsummed_marks(params: PyTree, every: bool) -> list[tuple[str, ...]] | None:
+    ctx, trace = get_replica_context(), _CURRENT.get()
+    wholes = trace.wholes if trace is not None else {}
+    if ctx is None or not (every or wholes):
         return None
     marks = [
-        id(x) in trace.wholes and jnp.issubdtype(x.dtype, jnp.inexact)
+        tuple(a for a in ctx.axis_name if a not in varying_axes(x, ctx.axis_name))
+        if _inexact(x) and (every or id(x) in wholes) else ()
         for x in jax.tree.leaves(params)
-    ]
+    ]  # fmt: skip
     return marks if any(marks) else None
 
 
-def summed(grads: PyTree, marks: list[bool] | None) -> PyTree:
+def _inexact(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def summed(grads: PyTree, marks: list | None) -> PyTree:
     """The gradients of `unsummed` parameters summed over the replicas, as the step
-    reads them. Each remembers its unsummed self: the wrapped optimizer reduce-
-    scatters that, and this all-reduce is dead code (dropped by XLA) unless the
-    step reads the whole gradient itself (a norm, a clip)."""
+    reads them. Each remembers its unsummed self (`replicator.context.own_gradient`):
+    the wrapped optimizer sums that (ZeRO reduce-scatters it), and this all-reduce
+    is dead code (dropped by XLA) unless the step reads the whole gradient itself."""
     if marks is None:
         return grads
-    trace = _CURRENT.get()
     leaves, treedef = jax.tree.flatten(grads)
     out = []
-    for g, marked in zip(leaves, marks, strict=True):
-        if marked and varying_axes(g, trace.axes):
-            total = sum_varying(g, trace.axes)
-            trace.partial_of[id(total)] = g
-            trace.keep += [total, g]
+    for g, axes in zip(leaves, marks, strict=True):
+        axes = tuple(a for a in axes if a in varying_axes(g, axes))
+        if axes:
+            total = jax.lax.psum(g, axes)
+            remember_own_gradient(total, g)
             g = total
         out.append(g)
     return jax.tree.unflatten(treedef, out)
 
 
-def defer_gradient_sum(grad_fn: Callable) -> Callable:
-    """``grad_fn(params, batch) -> (grads, out)`` with each sharded parameter's
-    gradient computed per device (`unsummed`) and handed on as the sum (`summed`),
-    which remembers the unsummed one for the wrapped optimizer to reduce-scatter.
-    Outside a sharded `Replicator.run`, ``grad_fn`` as it is."""
+def defer_gradient_sum(grad_fn: Callable, every: bool = False) -> Callable:
+    """``grad_fn(params, batch) -> (grads, out)`` with each sharded parameter's (with
+    ``every``, each floating parameter's) gradient computed per device (`unsummed`)
+    and handed on as the sum (`summed`), which remembers the unsummed one for the
+    wrapped optimizer. Outside `Replicator.run` (or a sharded one, without
+    ``every``), ``grad_fn`` as it is."""
 
     def deferred(params, batch):
-        params, marks = unsummed(params)
+        params, marks = unsummed(params, every)
         grads, out = grad_fn(params, batch)
         return summed(grads, marks), out
 
     return deferred
+
+
+def scale_summed(grads: PyTree, factor: jax.Array) -> PyTree:
+    """``grads`` times ``factor`` (a replica-invariant scalar), each summed gradient's
+    bookkeeping carried over: its own part (`summed`) and, while `scattered` lasts,
+    this device's slice scaled with it, so that the optimizer still updates from
+    slices (a global-norm clip under ZeRO keeps the reduce-scatter)."""
+    trace = _CURRENT.get()
+
+    def scale(g):
+        new = g * factor.astype(g.dtype)
+        own = own_gradient(g)
+        if own is not None:
+            remember_own_gradient(new, own * factor.astype(own.dtype))
+        found = trace.grad_slice.get(id(g)) if trace is not None else None
+        if found is not None:
+            trace.grad_slice[id(new)] = (found[0] * factor.astype(found[0].dtype), found[1], new)
+        return new
+
+    return jax.tree.map(scale, grads)
 
 
 def update_slices(
@@ -325,14 +359,14 @@ def scattered(grads: PyTree, params: PyTree) -> Iterator[PyTree]:
     belongs to the trace it was made in (an update inside a ``lax.cond`` branch
     must not hand its slices to the next one)."""
     trace = _CURRENT.get()
-    if trace is None or not trace.partial_of:
+    if trace is None:
         yield grads
         return
     leaves, treedef = jax.tree.flatten(grads)
     made, out = {}, []
     for g, spec in zip(leaves, _grad_specs(trace, grads, params)):
-        if id(g) in trace.partial_of and _known(spec):
-            piece = reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
+        if _summed_here(trace, g) and _known(spec):
+            piece = _grad_slice(trace, g, spec)  # (an enclosing block's, if it made one)
             made[id(g)] = (piece, spec, g)  # (g: keeps its id from being reused)
             g = piece
         out.append(g)
@@ -344,13 +378,20 @@ def scattered(grads: PyTree, params: PyTree) -> Iterator[PyTree]:
         trace.grad_slice = outer
 
 
+def _summed_here(trace: _Trace, g: Any) -> bool:
+    """Whether ``g`` is a summed gradient whose slice can come without the whole sum."""
+    return id(g) in trace.grad_slice or own_gradient(g) is not None
+
+
 def _grad_slice(trace: _Trace, g: jax.Array, spec: P) -> jax.Array:
-    """This device's slice of the summed gradient ``g``, reduce-scattered from the
-    unsummed one (or the slice `scattered` made, while it lasts)."""
+    """This device's slice of the summed gradient ``g``, reduce-scattered from its own,
+    unsummed part (or the slice `scattered` made, while it lasts), in ``g``'s dtype
+    (the part may be narrower: the dtype the sum is carried in)."""
     found = trace.grad_slice.get(id(g))
     if found is not None and found[1] == spec:
         return found[0]
-    return reduce_scatter(trace.partial_of[id(g)], spec, trace.axes)
+    piece = reduce_scatter(own_gradient(g), spec, trace.axes)
+    return piece if piece.dtype == g.dtype else piece.astype(g.dtype)
 
 
 def param_slices(params: PyTree) -> PyTree:
@@ -507,7 +548,7 @@ def _slice(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
     input, ``x`` where it is a slice already (optimizer state)."""
     if _is_slice(trace, x):
         return x
-    if id(x) in trace.partial_of:  # a gradient `summed` left unsummed: reduce-scatter it
+    if _summed_here(trace, x):  # a gradient `summed` left unsummed: reduce-scatter it
         return _grad_slice(trace, x, spec)
     piece = slice_for(x, spec)
     return local_slice(x, spec) if piece is None else piece

@@ -23,7 +23,9 @@ PUBLIC = [
     "compute_average_loss",
     "get_replica_context",
     "global_sum",
+    "grad_norm",
     "initialize",
+    "narrow_sum",
     "replica_key",
     "scale_regularization_loss",
 ]
@@ -68,6 +70,7 @@ def test_replicator_methods_of_the_contract():
         "replicator.activations",
         "replicator.transforms",
         "replicator.optim",
+        "replicator.ema",
     ],
 )
 def test_docstring_examples_run(module):

@@ -139,6 +139,19 @@ OVERRIDES = {
     "keep_best_checkpoints": "2",
     "best_metric": "loss",
     "best_mode": "min",
+    "optimizer_args": "{'momentum': 0.5}",
+    "lr_schedule": "cosine",
+    "warmup_steps": "2",
+    "lr_end_fraction": "0.25",
+    "weight_decay": "0.5",
+    "weight_decay_mask": "kernel",
+    "grad_clip_norm": "2.5",
+    "grad_reduce_dtype": "bf16",
+    "ema_decay": "0.75",
+    "freeze": "Dense_0",
+    "init_from": "/tmp/elsewhere:7",
+    "init_from_rules": "(('^params/a/', 'params/b/'),)",
+    "writers": "('tensorboard', 'wandb')",
 }
 
 

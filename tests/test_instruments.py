@@ -58,6 +58,8 @@ def test_plot_writes_pngs(profiled_run):
     assert [os.path.basename(p) for p in paths] == [
         "accuracy.png",
         "examples_per_sec.png",
+        "grad_norm.png",
+        "learning_rate.png",
         "loss.png",
     ]
     for path in paths:

@@ -385,7 +385,7 @@ def test_configs_name_real_models_and_smoke_modes(name, low, high):
     module, config = load_config(name)
     assert f"python -m replicator train --config configs/{name}.py" in module.__doc__
     assert "Expected:" in module.__doc__
-    model = {k: v for k, v in config.model.to_dict().items() if k != "warmup_steps"}
+    model = config.model.to_dict()
     tokens = jnp.zeros((1, model["max_len"]), jnp.int32)
     params = jax.eval_shape(Transformer(**model).init, jax.random.key(0), tokens)
     assert low < count_params(params) < high

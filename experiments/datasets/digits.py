@@ -18,9 +18,15 @@ Build it with::
     tfds.builder("digits", data_dir=DIR).download_and_prepare(file_format="array_record")
 
 or let ``replicator.trainer.data.load_data_source("digits", "train", data_dir=DIR)``
-prepare it on first use.
+prepare it on first use: it is a builder of this repository's own, not of tfds'
+catalog, so it is built where it is, with no flag to set.
+
+The same examples without tfds: `make_source` returns a split as a list of
+examples, in the order the built dataset stores them, for
+``dataset='experiments.datasets.digits:make_source'`` (a function source).
 """
 
+import hashlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,8 +54,6 @@ class Digits(LocalBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # Read by replicator.trainer.data: such builders are prepared on first use.
-    BUILDS_OFFLINE = True
 
     def _info(self) -> tfds.core.DatasetInfo:
         # A raw uint8 Tensor instead of tfds.features.Image: Image encodes PNG
@@ -76,15 +80,10 @@ class Digits(LocalBuilder):
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         del dl_manager  # Everything comes from the installed scikit-learn.
-        digits = load_digits()
-        # Counts 0..16 -> 0..255, rounding half up in exact integer arithmetic.
-        images = (digits.images.astype(np.int64) * 255 + 8) // 16
-        images = images.astype(np.uint8)[..., None]
-        labels = digits.target.astype(np.int64)
-        is_test = split_test_mask(labels, NUM_TEST_EXAMPLES, seed=_SPLIT_SEED)
+        images, labels, rows = _digits()
         return {
-            "train": self._generate_examples(images, labels, np.flatnonzero(~is_test)),
-            "test": self._generate_examples(images, labels, np.flatnonzero(is_test)),
+            split: self._generate_examples(images, labels, indices)
+            for split, indices in rows.items()
         }
 
     def _generate_examples(
@@ -93,6 +92,43 @@ class Digits(LocalBuilder):
         # The key is the row in load_digits(), so an example can be traced back.
         for i in indices:
             yield int(i), {"image": images[i], "label": int(labels[i])}
+
+
+def make_source(split: str) -> list[dict[str, np.ndarray]]:
+    """The ``digits`` dataset's ``split`` as a function source, without tfds.
+
+    The examples the builder writes, in the order the built dataset stores
+    them: tfds' writer sorts a split's examples by the MD5 of the split's name
+    followed by the example's key (here the row in ``load_digits()``), so a
+    function source of these trains exactly like ``dataset='digits'``.
+
+    Args:
+      split: ``"train"`` (1,437 scans) or ``"test"`` (360).
+
+    Returns:
+      ``[{"image": uint8[8, 8, 1], "label": int64}, ...]``.
+
+    >>> source = make_source("test")
+    >>> len(source), source[0]["image"].shape, source[0]["label"].dtype
+    (360, (8, 8, 1), dtype('int64'))
+    """
+    images, labels, rows = _digits()
+    if split not in rows:
+        raise ValueError(f"digits has the splits {sorted(rows)}, not {split!r}")
+    salted = lambda i: hashlib.md5(f"{split}{i}".encode(), usedforsecurity=False).hexdigest()
+    order = sorted(rows[split].tolist(), key=salted)
+    return [{"image": images[i], "label": labels[i]} for i in order]
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """uint8 images ``[1797, 8, 8, 1]``, int64 labels, and each split's rows."""
+    digits = load_digits()
+    # Counts 0..16 -> 0..255, rounding half up in exact integer arithmetic.
+    images = (digits.images.astype(np.int64) * 255 + 8) // 16
+    images = images.astype(np.uint8)[..., None]
+    labels = digits.target.astype(np.int64)
+    is_test = split_test_mask(labels, NUM_TEST_EXAMPLES, seed=_SPLIT_SEED)
+    return images, labels, {"train": np.flatnonzero(~is_test), "test": np.flatnonzero(is_test)}
 
 
 def split_test_mask(labels: np.ndarray, num_test: int, *, seed: int) -> np.ndarray:

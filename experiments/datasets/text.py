@@ -210,8 +210,6 @@ class _WindowBuilder(LocalBuilder, skip_registration=True):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
-    # Read by replicator.trainer.data: such builders are prepared on first use.
-    BUILDS_OFFLINE = True
 
     def _window_info(self, description: str) -> tfds.core.DatasetInfo:
         length = self.builder_config.block_size + 1

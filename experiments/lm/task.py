@@ -17,15 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import replicator as rp
 from experiments.lm.model import Transformer
 from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("loss", "perplexity")
-# Keys of the config's ``model`` dict that shape the run rather than the network.
-_TASK_KEYS = ("warmup_steps",)
 
 
 def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
@@ -80,26 +77,15 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
-def make_schedule(
-    learning_rate: float, warmup_steps: int, num_train_steps: int
-) -> float | optax.Schedule:
-    """The peak rate, or with ``warmup_steps`` a linear warmup then cosine decay to 10% of it."""
-    if warmup_steps <= 0:
-        return learning_rate
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=learning_rate,
-        warmup_steps=warmup_steps,
-        decay_steps=max(num_train_steps, warmup_steps + 1),
-        end_value=0.1 * learning_rate,
-    )
-
-
 def make_model(model_kwargs: Mapping[str, Any]) -> Transformer:
-    """The `Transformer` from the config's ``model`` dict (without the task's own keys)."""
-    kwargs = {k: v for k, v in model_kwargs.items() if k not in _TASK_KEYS}
+    """The `Transformer` from the config's ``model`` dict."""
+    if "warmup_steps" in model_kwargs:
+        raise ConfigError(
+            "config.model.warmup_steps is a config key of its own now: config.warmup_steps "
+            "(with config.lr_schedule='cosine', config.lr_end_fraction=0.1 as before)"
+        )
     try:
-        return Transformer(**kwargs)
+        return Transformer(**model_kwargs)
     except ValueError as e:  # the model's own checks of its sizes
         raise ConfigError(f"config.model: {e}") from None
     except TypeError as e:
@@ -109,28 +95,22 @@ def make_model(model_kwargs: Mapping[str, Any]) -> Transformer:
             if f.name not in ("parent", "name")
         )
         raise ConfigError(
-            f"config.model has a key the LM does not take ({e}); known: {[*known, *_TASK_KEYS]}."
+            f"config.model has a key the LM does not take ({e}); known: {known}."
         ) from None
 
 
 def make_experiment(settings: Settings) -> Experiment:
     """The language-modelling `Experiment` for the trainer.
 
-    ``settings.model`` holds `Transformer`'s keyword arguments, plus
-    ``warmup_steps`` (0: a constant learning rate; else a linear warmup and a
-    cosine decay to 10% at ``num_train_steps``).
+    ``settings.model`` holds `Transformer`'s keyword arguments; the learning rate's
+    schedule is the config's (``lr_schedule``, ``warmup_steps``).
 
     Train records and eval records report ``loss`` (nats per real token) and
     ``perplexity = exp(loss)``; throughput counts ``max_len`` tokens per example.
     """
     network = make_model(settings.model)
     model = settings.repl.apply_policy(network)
-    learning_rate = make_schedule(
-        settings.learning_rate,
-        int(settings.model.get("warmup_steps", 0)),
-        settings.num_train_steps,
-    )
-    tx = settings.make_optimizer(learning_rate)
+    tx = settings.make_optimizer()
 
     def init_state(rng: jax.Array, example: Mapping[str, Any]) -> rp.TrainState:
         init_rng, state_rng = jax.random.split(rng)

@@ -228,7 +228,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 # once, so its pieces interleave within a line), and the coordination service's
 # notice that --elastic turned on JAX's recoverable tasks (which the user asked for).
 _GLOO = re.compile(
-    r"\[Gloo\] Rank \d+|\s*is connected to \d+ peer ranks\. "
+    r"\[Gloo\] Rank(?: \d+)?|\s*is connected to \d+ peer ranks\. "
     r"Expected number of connected peer ranks is : \d+"
 )
 _NOTICE = re.compile(
@@ -238,9 +238,14 @@ _NOTICE = re.compile(
 
 def _prefix_lines(stream, prefix: str) -> None:
     """Relays a process's output, each line prefixed, without the start-up noise above."""
+    rank_cut = False  # a "[Gloo] Rank" whose number went to the next line
     for line in stream:
         if _NOTICE.search(line):
             continue
+        if rank_cut and line.strip().isdigit():
+            rank_cut = False
+            continue
+        rank_cut = bool(re.search(r"\[Gloo\] Rank\s*$", line))
         if "[Gloo]" in line or "peer ranks" in line:
             line = _GLOO.sub("", line)
             if not line.strip():

@@ -74,11 +74,14 @@ def block(tree: Any) -> Any:
 class LogTrain:
     """Writes a logged step's train metrics, fetched once the next step is dispatched,
     so the host never waits for the device just to log. A record holds that step's
-    own metrics, so a resumed run logs exactly what an uninterrupted one does."""
+    own metrics, so a resumed run logs exactly what an uninterrupted one does: the
+    experiment's, the ``learning_rate`` the step's update used (``schedule`` at the
+    count of updates before it) and the ``grad_norm`` of its summed gradient."""
 
     def __init__(self, writer, progress, summarize, *, every_steps, per_step, unit, start,
-                 wait: Callable[[Any], Any] = block):  # fmt: skip
-        self._wait = wait
+                 wait: Callable[[Any], Any] = block,
+                 schedule: Callable[[int], Any] | None = None):  # fmt: skip
+        self._wait, self._schedule = wait, schedule
         self._writer, self._progress, self._summarize = writer, progress, summarize
         self._every, self._per_step, self._unit = every_steps, per_step, unit
         self._held = None
@@ -88,13 +91,20 @@ class LogTrain:
         self.close()
         self._progress.update(end.step)
         if every(end.step, self._every) or end.last:
-            self._held = (end.step, end.sums)
+            self._held = (end.step, end.sums, end.status)
 
     def close(self) -> None:
         if self._held is None:
             return
-        (step, sums), self._held = self._held, None
-        record = self._summarize(jax.device_get(self._wait(sums)))
+        (step, sums, status), self._held = self._held, None
+        sums, status = jax.device_get(self._wait((sums, status)))
+        record = self._summarize(sums)
+        if self._schedule is not None and "updates" in status:
+            # (under DiLoCo and compile, a count per group of replicas: they step together)
+            updates = int(np.max(status["updates"]))
+            record["learning_rate"] = float(self._schedule(updates))
+        if "grad_norm" in status:
+            record["grad_norm"] = float(np.mean(status["grad_norm"]))  # (DiLoCo: the groups')
         now = time.perf_counter()
         last_step, last_time = self._last
         self._last = (step, now)

@@ -59,6 +59,9 @@ _STRICT = flags.DEFINE_bool(
 _FOLLOW = flags.DEFINE_bool(
     "follow", False, "Evaluate every new checkpoint as training writes it (a sidecar)."
 )
+_EMA = flags.DEFINE_bool(
+    "ema", False, "eval: only the moving average of the parameters (a run with ema_decay)."
+)
 _FOLLOW_TIMEOUT = flags.DEFINE_float(
     "follow_timeout", None, "With --follow: stop after this many seconds without a new checkpoint."
 )
@@ -81,7 +84,7 @@ _CPU_DEVICES = flags.DEFINE_integer(
 _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
-    "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _FOLLOW, _FOLLOW_TIMEOUT, *_COMMON),
+    "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, *_COMMON),
 }
 
 
@@ -225,7 +228,9 @@ def _eval(config, workdir: str, console: Console, chief: bool) -> None:
         show = (lambda result: console.print(json.dumps(result))) if chief else (lambda _: None)
         trainer.follow(config, workdir, timeout_s=_FOLLOW_TIMEOUT.value, on_result=show)
         return
-    result = trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value)
+    result = trainer.evaluate(
+        config, workdir, step=_STEP.value, strict=_STRICT.value, ema=_EMA.value
+    )
     if chief:
         console.print(json.dumps(result))
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +34,17 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     # What to train.
     "experiment": ((str,), _REQUIRED, "dotted module path of the experiment"),
     "model": ((dict,), _REQUIRED, "keyword arguments of the experiment's make_experiment"),
-    "dataset": ((str,), _REQUIRED, "tfds dataset name (with /config)"),
+    "dataset": (
+        (str,),
+        _REQUIRED,
+        "tfds name (with /config), 'module:function' returning a split's examples, or "
+        "'array_record:PATTERN' with {split}",
+    ),
     "data_dir": (
         (str, None),
         None,
-        "tfds data_dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+        "tfds data_dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); passed to a data "
+        "function that takes data_dir",
     ),
     "train_split": ((str,), "train", "split to train on"),
     "eval_split": ((str,), "test", "split to evaluate on"),
@@ -46,6 +54,50 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "num_train_steps": ((int,), _REQUIRED, "training steps"),
     "learning_rate": ((float,), _REQUIRED, "peak learning rate"),
     "optimizer": ((str,), "adam", "an optax alias taking learning_rate"),
+    "optimizer_args": (
+        (dict, None),
+        None,
+        "keyword arguments of the optax alias, e.g. {'b2': 0.95} or {'momentum': 0.9}",
+    ),
+    "lr_schedule": ((str,), "constant", "'constant', 'cosine', 'linear' or 'rsqrt' (after warmup)"),
+    "warmup_steps": ((int,), 0, "steps of linear warmup from 0 to learning_rate"),
+    "lr_end_fraction": (
+        (float,),
+        0.0,
+        "the final learning rate of 'cosine' and 'linear', as a fraction of learning_rate",
+    ),
+    "weight_decay": ((float,), 0.0, "decoupled weight decay, scaled by the learning rate"),
+    "weight_decay_mask": (
+        (str, None),
+        None,
+        "regex over parameter paths to decay (None: the parameters with 2+ dimensions)",
+    ),
+    "grad_clip_norm": (
+        (float, None),
+        None,
+        "clip by the global norm of the summed gradient (None: no clipping)",
+    ),
+    "grad_reduce_dtype": (
+        (str, None),
+        None,
+        "None (sum gradients in their dtype) or 'bf16' (half the bytes on the wire)",
+    ),
+    "ema_decay": (
+        (float, None),
+        None,
+        "an EMA of the parameters, evaluated beside them (ema_ metrics), e.g. 0.999",
+    ),
+    "freeze": ((str, None), None, "regex over parameter paths that get no update"),
+    "init_from": (
+        (str, None),
+        None,
+        "a run's workdir or checkpoints directory (PATH or PATH:STEP) to load parameters from",
+    ),
+    "init_from_rules": (
+        (tuple, list, None),
+        None,
+        "(regex, replacement) pairs renaming checkpoint paths to model paths",
+    ),
     "seed": ((int,), 0, "seed of initialisation, data order and randomness"),
     "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
     # Where and how precisely.
@@ -89,6 +141,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "keep_best_checkpoints": ((int,), 0, "also keep the best N by best_metric"),
     "best_metric": ((str, None), None, "the eval metric that ranks checkpoints"),
     "best_mode": ((str,), "max", "'max' or 'min' of best_metric"),
+    "writers": (
+        (tuple, list),
+        ("tensorboard",),
+        "record writers besides metrics.jsonl: 'tensorboard', 'wandb'",
+    ),
 }
 
 MINIMUM = {
@@ -103,12 +160,17 @@ MINIMUM = {
     "keep_best_checkpoints": 0,
     "seed": 0,
     "fsdp_min_size": 0,
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "lr_end_fraction": 0.0,
 }
 
 CHOICES = {
     "step_path": ("run", "compile"),
     "precision": (None, "fp32", "bf16", "fp16"),
     "best_mode": ("max", "min"),
+    "lr_schedule": ("constant", "cosine", "linear", "rsqrt"),
+    "grad_reduce_dtype": (None, "bf16"),
     "nonfinite": ("halt", "skip"),
     "matmul_precision": (
         None,
@@ -274,8 +336,44 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
         problems.append(f"'profile_port' must be a port, 1 to 65535, got {values['profile_port']}")
     if values["keep_best_checkpoints"] and values["best_metric"] is None:
         problems.append("'keep_best_checkpoints' > 0 needs 'best_metric' (an eval metric)")
+    problems += _optimizer_problems(values)
     if importlib.util.find_spec(values["experiment"].split(".")[0]) is None:
         problems.append(f"'experiment'={values['experiment']!r} cannot be imported")
+    return problems
+
+
+def _optimizer_problems(values: dict[str, Any]) -> list[str]:
+    """The ranges of the schedule, decay, clipping, EMA and fine-tuning keys."""
+    problems = []
+    if values["warmup_steps"] > values["num_train_steps"]:
+        problems.append(
+            f"'warmup_steps'={values['warmup_steps']} is more than "
+            f"'num_train_steps'={values['num_train_steps']}"
+        )
+    if not 0.0 <= values["lr_end_fraction"] <= 1.0:
+        problems.append(f"'lr_end_fraction' must be in [0, 1], got {values['lr_end_fraction']}")
+    if values["grad_clip_norm"] is not None and values["grad_clip_norm"] <= 0:
+        problems.append(f"'grad_clip_norm' must be > 0 (or None), got {values['grad_clip_norm']}")
+    if values["ema_decay"] is not None and not 0.0 < values["ema_decay"] < 1.0:
+        problems.append(f"'ema_decay' must be in (0, 1) (or None), got {values['ema_decay']}")
+    for key in ("weight_decay_mask", "freeze"):
+        if values[key] is not None:
+            try:
+                re.compile(values[key])
+            except re.error as e:
+                problems.append(f"{key!r}={values[key]!r} is not a regex: {e}")
+    rules = values["init_from_rules"]
+    if rules is not None and not all(
+        isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, str) for x in r)
+        for r in rules
+    ):
+        problems.append(
+            f"'init_from_rules'={rules!r} must be (regex, replacement) pairs, e.g. "
+            "(('^params/encoder/', 'params/'),)"
+        )
+    unknown = sorted(set(values["writers"]) - {"tensorboard", "wandb"})
+    if unknown:
+        problems.append(f"'writers' has {unknown}; the writers are 'tensorboard' and 'wandb'")
     return problems
 
 
@@ -286,10 +384,13 @@ def _library_problems(values: dict[str, Any]) -> list[str]:
     from replicator import mesh as mesh_lib
 
     problems = []
-    if not callable(getattr(optax, values["optimizer"], None)):
+    alias = getattr(optax, values["optimizer"], None)
+    if not callable(alias):
         problems.append(
             f"'optimizer'={values['optimizer']!r} is not an optax optimizer (e.g. 'adam')"
         )
+    else:
+        problems += _alias_problems(values["optimizer"], alias, values["optimizer_args"])
     for key in ("mesh", "dcn_mesh"):
         if values[key] is None:
             continue
@@ -298,6 +399,20 @@ def _library_problems(values: dict[str, Any]) -> list[str]:
         except (TypeError, ValueError) as e:
             problems.append(f"{key!r}={values[key]!r}: {e}")
     return problems
+
+
+def _alias_problems(name: str, alias: Callable, args: dict | None) -> list[str]:
+    """``optimizer_args`` the optax alias does not take (the trainer passes learning_rate,
+    and weight_decay to adamw, itself)."""
+    parameters = inspect.signature(alias).parameters
+    own = {"learning_rate", *(("weight_decay", "mask") if "weight_decay" in parameters else ())}
+    takes = [p for p in parameters if p not in own]
+    wrong = sorted(set(args or {}) - set(takes))
+    if not wrong:
+        return []
+    why = [k for k in wrong if k in own]
+    said = f" ({', '.join(why)}: a config key of its own)" if why else ""
+    return [f"'optimizer_args' has {wrong}{said}; optax.{name} takes {takes}"]
 
 
 def read_saved(workdir: str) -> dict | None:

@@ -6,11 +6,18 @@ command line's ``--config.KEY=VALUE`` overrides go on top, type-checked by
 ml_collections against the keys of the config they apply to. A mistake in any of
 this (a missing file, an unknown key, a value of the wrong type, a workdir that
 holds another experiment) is a `UsageError` or a `ConfigError`, in one line.
+
+Code beside a config file is found: the ``--config`` file's directory goes
+first on ``sys.path`` (as Python does for a script's directory) before the file
+is read, so ``experiment='my_task'`` and ``dataset='my_data:make_source'`` name
+modules next to it, wherever it is. A module that cannot be found is one line
+that says where modules are looked for (`check_importable`).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import logging
 import os
 import re
@@ -21,7 +28,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from replicator import storage
-from replicator.errors import UsageError, UserError
+from replicator.errors import ConfigError, UsageError, UserError
 from replicator.trainer import config as config_lib
 from replicator.trainer.console import one_line
 
@@ -74,29 +81,84 @@ def use_the_runs_config(argv: list[str]) -> None:
 
 
 def check_config_file(argv: list[str]) -> None:
-    """A ``--config`` file that does not exist, in one line (before absl reads it)."""
+    """A ``--config`` file that does not exist, in one line (before absl reads it);
+    an existing one's directory becomes importable (`import_beside_config`)."""
     value = argv_value(argv, "config")
     if value is not None and _file_given:
         path = value.split(":", 1)[0]
         if not os.path.isfile(path):
             raise UsageError(f"config file {path!r} does not exist")
+        import_beside_config(path)
+
+
+def import_beside_config(path: str) -> None:
+    """Puts the directory of config file ``path`` first on ``sys.path``, so that the
+    modules beside it (an experiment, a data function, a tfds builder) import by
+    their plain names, as those beside a script do."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+
+
+def check_importable(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """The config's experiment, and its dataset's module where it names one
+    (``'module:function'``), can be found; else one line saying where modules are
+    looked for and what to set."""
+    names = [("experiment", config.get("experiment"))]
+    dataset = config.get("dataset")
+    if isinstance(dataset, str) and ":" in dataset:
+        from replicator.trainer.data import user_sources
+
+        if user_sources.is_user_source(dataset) and not dataset.startswith(
+            user_sources.ARRAY_RECORD
+        ):
+            names.append(("dataset", dataset))
+    for key, value in names:
+        if not isinstance(value, str) or not value:
+            continue  # the config's validation names it
+        module = value.split(":", 1)[0].split(".")[0]
+        if not re.fullmatch(r"[A-Za-z_]\w*", module) or importlib.util.find_spec(module):
+            continue
+        if _file_given:
+            config_file = FLAGS["config"].config_filename.split(":", 1)[0]
+            config_dir = os.path.dirname(os.path.abspath(config_file))
+            where = f"beside the config file ({config_dir}), in the working directory"
+            fix = f"put {module} there, or add its directory to PYTHONPATH"
+        else:
+            where = f"in the working directory (eval read the run's {saved_path(workdir)})"
+            fix = (
+                "pass the run's config file with --config FILE (its directory is "
+                f"searched), or add {module}'s directory to PYTHONPATH"
+            )
+        raise ConfigError(
+            f"config.{key}={value!r} cannot be imported: no module {module!r} {where} "
+            f"or on PYTHONPATH; {fix}"
+        )
 
 
 def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
     """train: the config file with its overrides. eval: the run's saved config with the
     command line's overrides on top (the file's only when the run saved none)."""
+    config, note = _resolve(command, workdir)
+    check_importable(config, workdir)  # before the note: a mistake stays one line
+    if note:
+        log.info("%s", note)
+    return config
+
+
+def _resolve(command: str, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
+    """The config, and for eval the line that says which one it is."""
     config = FLAGS.config
     if command != "eval" or not _file_given:
         if command == "eval":
-            log.info("eval: the run's config %s%s", saved_path(workdir), overrides_text())
-        return config
+            return config, f"eval: the run's config {saved_path(workdir)}{overrides_text()}"
+        return config, ""
     from replicator.trainer.evaluator import run_config
 
     saved = run_config(workdir)
     file = FLAGS["config"].config_filename
     if saved is None:
-        log.info("eval: the config %s (%s has none saved)%s", file, workdir, overrides_text())
-        return config
+        return config, f"eval: the config {file} ({workdir} has none saved){overrides_text()}"
     overrides = config_flags.get_override_values(FLAGS["config"])
     saved.lock()  # an override names a key of the run's config
     try:
@@ -108,13 +170,8 @@ def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
         for d in config_lib.config_differences(saved.to_dict(), config.to_dict())
         if d.split(":")[0] not in overrides
     ]
-    log.info(
-        "eval: the run's config %s%s%s",
-        saved_path(workdir),
-        overrides_text(),
-        f"; {file} differs in {', '.join(ignored)}, not used" if ignored else "",
-    )
-    return saved
+    differs = f"; {file} differs in {', '.join(ignored)}, not used" if ignored else ""
+    return saved, f"eval: the run's config {saved_path(workdir)}{overrides_text()}{differs}"
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str, *, force: bool) -> None:
@@ -251,6 +308,8 @@ def parse_for_help(argv: list[str]) -> None:
     value = argv_value(rest, "config")
     if value is not None and not os.path.isfile(value.split(":", 1)[0]):
         raise UsageError(f"config file {value.split(':', 1)[0]!r} does not exist")
+    if value is not None and _file_given:
+        import_beside_config(value.split(":", 1)[0])
     sys.argv = rest
     try:
         FLAGS(rest)

@@ -42,6 +42,8 @@ class Console:
         self._created: str | None = None  # a workdir that log_to made
         handler = logging.StreamHandler(self.err)
         handler.setFormatter(logging.Formatter("%(message)s"))
+        # Details for the log only: log.info(..., extra={"log_only": True}).
+        handler.addFilter(lambda record: not getattr(record, "log_only", False))
         logger = logging.getLogger("replicator")
         logger.handlers = [handler]
         logger.setLevel(logging.INFO)

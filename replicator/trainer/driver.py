@@ -19,12 +19,14 @@ from replicator import storage
 from replicator.checkpoint import CheckpointMismatchError, Checkpoints
 from replicator.trainer import actions as act
 from replicator.trainer import config as config_lib
+from replicator.trainer import init_from
 from replicator.trainer.config import config_differences
-from replicator.trainer.evaluator import evaluate_split
+from replicator.trainer.evaluator import eval_views, evaluate_views
 from replicator.trainer.instruments import ProgressBar, Stopwatch, summarize_run
+from replicator.trainer.optimizer import OptimizerSpec, describe
 from replicator.trainer.preemption import PreemptionWatcher
-from replicator.trainer.setup import Run, setup
-from replicator.trainer.writers import MetricWriter
+from replicator.trainer.setup import Run, setup, train_params
+from replicator.trainer.writers import MetricWriter, check_writers
 
 log = logging.getLogger("replicator")
 
@@ -66,25 +68,13 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
     watch = Stopwatch()
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
+    check_writers(config.writers)  # 'wandb' not installed: one line, before the workdir
     train_iter = run.train_iterator()
     workdir = storage.normalize(workdir)
     storage.check_writable(workdir)
+    start_from = _init_from(run, workdir)  # read and checked before anything is written
     storage.makedirs(workdir)
-    checkpoints = Checkpoints(
-        storage.join(workdir, "checkpoints"),
-        repl,
-        keep=config.keep_checkpoints,
-        keep_best=config.keep_best_checkpoints,
-        best_metric=config.best_metric,
-        best_mode=config.best_mode,
-    )
-    state, start = _restore_or_init(run, checkpoints, train_iter, strict)
-    if start == 0 and storage.exists(storage.join(workdir, "metrics.jsonl")):
-        log.info(
-            "No complete checkpoint in %s: training from step 0 (the earlier attempt's "
-            "records are replaced)",
-            checkpoints.directory,
-        )
+    checkpoints, state, start = _start(run, workdir, train_iter, strict, start_from)
     config_lib.write_json(config, storage.join(workdir, "config.json"))
     batches = repl.distribute(train_iter)
     finished = start >= config.num_train_steps
@@ -94,11 +84,15 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
             "as they are)", start, storage.join(workdir, "metrics.jsonl")
         )  # fmt: skip
     # A finished run's records are whole: a rerun repeats no step and keeps its summary.
-    writer = MetricWriter(workdir, resume_step=start, enabled=False if finished else None)
+    writer = MetricWriter(workdir, resume_step=start, enabled=False if finished else None,
+                          writers=config.writers, config=config.to_dict())  # fmt: skip
     progress = ProgressBar(config.num_train_steps, start, enabled=False if quiet else None)
     actions = _actions(run, workdir, watch, writer, progress, checkpoints, batches, preemption,
                        start)  # fmt: skip
     log.info("%s on %s", config.experiment, repl)
+    params = train_params(run.abstract_state)
+    log.info("%s", describe(OptimizerSpec.from_config(config), params[0] if len(params) == 1
+                            else params))  # fmt: skip
 
     # ---- Train: dispatch a step, then let each periodic action take its turn.
     step, end, completed = start, None, False
@@ -159,7 +153,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     def evaluate(state, step: int) -> dict[str, Any]:
         wait(state)
         with watch.time("eval"):
-            return _evaluate_and_write(run, writer, run.eval_state(state), step, workdir)
+            return _evaluate_and_write(run, writer, state, step, workdir)
 
     def save(end: act.StepEnd) -> None:
         wait(end.state)
@@ -178,7 +172,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     log_train = act.LogTrain(
         writer, progress, run.experiment.summarize,
         every_steps=config.log_every_steps, per_step=per_step, unit=unit, start=start,
-        wait=wait,
+        wait=wait, schedule=OptimizerSpec.from_config(config).schedule(),
     )  # fmt: skip
     guard = act.WatchNonfinite(
         workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize,
@@ -201,11 +195,53 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     )  # fmt: skip
 
 
-def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: bool):
+def _start(run: Run, workdir: str, train_iter, strict: bool, start_from):
+    """The run's checkpoints, and the state and step it starts from (`_restore_or_init`)."""
+    config = run.config
+    checkpoints = Checkpoints(
+        storage.join(workdir, "checkpoints"),
+        run.repl,
+        keep=config.keep_checkpoints,
+        keep_best=config.keep_best_checkpoints,
+        best_metric=config.best_metric,
+        best_mode=config.best_mode,
+    )
+    state, start = _restore_or_init(run, checkpoints, train_iter, strict, start_from)
+    if start == 0 and storage.exists(storage.join(workdir, "metrics.jsonl")):
+        log.info(
+            "No complete checkpoint in %s: training from step 0 (the earlier attempt's "
+            "records are replaced)",
+            checkpoints.directory,
+        )
+    return checkpoints, state, start
+
+
+def _init_from(run: Run, workdir: str):
+    """``config.init_from``'s plan and, unless the workdir has checkpoints to resume
+    from, its arrays: (plan, arrays or None), or None without ``init_from``."""
+    config = run.config
+    if config.init_from is None:
+        return None
+    the_plan = init_from.plan(config.init_from, config.init_from_rules, run.abstract_state,
+                              run.repl)  # fmt: skip
+    if storage.exists(storage.join(workdir, "checkpoints")):
+        return the_plan, None  # resumes, most likely: read only if it starts afresh
+    return the_plan, init_from.read(the_plan, run.abstract_state, run.repl)
+
+
+def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: bool, start_from):
     """The newest readable checkpoint's state and step (moving the iterator there), or
-    a fresh state at step 0."""
+    a fresh state at step 0 (with ``init_from``'s arrays, by the plan ``start_from``)."""
     if checkpoints.latest_step() is None:
-        return run.init_state(), 0
+        state = run.init_state()
+        if start_from is not None:
+            the_plan, arrays = start_from
+            if arrays is None:
+                arrays = init_from.read(the_plan, run.abstract_state, run.repl)
+            state = init_from.place(the_plan, arrays, state)
+            log.info("%s", the_plan.report())
+            log.info("%s", the_plan.details(), extra={"log_only": True})
+        return state, 0
     try:
         state = checkpoints.restore(like=run.abstract_state, strict=strict)
     except CheckpointMismatchError as e:
@@ -225,8 +261,10 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
     return state, step
 
 
-def _evaluate_and_write(run: Run, writer, eval_state, step: int, workdir: str) -> dict[str, Any]:
-    result = {"step": step, **evaluate_split(run, eval_state)}
+def _evaluate_and_write(run: Run, writer, state, step: int, workdir: str) -> dict[str, Any]:
+    views = eval_views(run, state)
+    result = {"step": step, **evaluate_views(run, views)}
+    eval_state = views[""]
     writer.write(step, result, split=run.config.eval_split)
     shown = "  ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float))
     log.info("step %d  %s %s  (%d examples)", step, run.config.eval_split, shown,

@@ -16,9 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import orbax.checkpoint as ocp
 
+from replicator import ema as ema_lib
 from replicator import storage
 from replicator.checkpoint import Checkpoints, CorruptCheckpointError
+from replicator.errors import ConfigError
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
 from replicator.trainer.setup import Run, setup, sync_policy
@@ -57,6 +60,30 @@ def evaluate_split(run: Run, eval_state: Any) -> dict[str, Any]:
     return {**metrics, "num_examples": count}
 
 
+EMA = "ema_"  # the prefix of the EMA parameters' metrics
+
+
+def eval_views(run: Run, state: Any, *, params: bool = True, ema: bool = True) -> dict[str, Any]:
+    """What eval evaluates of a train state, by the prefix of its metrics: ``""`` the
+    parameters, ``"ema_"`` their moving average where the run keeps one
+    (`replicator.ema`). Works on label trees too (`_picked`)."""
+    views = {"": run.eval_state(state)} if params else {}
+    if ema and run.config.ema_decay is not None:
+        views[EMA] = run.eval_state(ema_lib.with_ema_params(state))
+    return views
+
+
+def evaluate_views(run: Run, views: dict[str, Any]) -> dict[str, Any]:
+    """`evaluate_split` of each view, the metrics of all in one record (each view's
+    prefixed by its key) with ``num_examples``."""
+    record: dict[str, Any] = {}
+    for prefix, eval_state in views.items():
+        result = evaluate_split(run, eval_state)
+        count = result.pop("num_examples")
+        record.update({f"{prefix}{k}": v for k, v in result.items()})
+    return {**record, "num_examples": count}
+
+
 def run_config(workdir: str) -> ml_collections.ConfigDict | None:
     """The config a training run saved in ``WORKDIR/config.json``, or None if there is none.
 
@@ -76,7 +103,14 @@ def run_config(workdir: str) -> ml_collections.ConfigDict | None:
 class Evaluator:
     """Restores what eval needs from a run's checkpoints and evaluates it exactly."""
 
-    def __init__(self, config: ml_collections.ConfigDict | None, workdir: str, *, devices=None):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict | None,
+        workdir: str,
+        *,
+        devices=None,
+        ema: bool = False,
+    ):
         if config is None:
             config = run_config(workdir)
             if config is None:
@@ -89,55 +123,51 @@ class Evaluator:
         self.checkpoints = Checkpoints(
             storage.join(workdir, "checkpoints"), self.run.repl, read_only=True
         )
+        if ema and self.config.ema_decay is None:
+            raise ConfigError(
+                f"eval --ema: the run in {workdir} kept no EMA of its parameters "
+                "(its config.ema_decay is None)"
+            )
         abstract = self.run.abstract_state
-        if sync_policy(self.config) is None:
-            self._like, self._view = self.run.experiment.eval_state(abstract), lambda x: x
-        else:  # DiLoCo: the outer parameters, whatever mesh the islands trained on
-            self._like, self._view = _picked(abstract, self.run.eval_state)
+        if sync_policy(self.config) is None and self.config.ema_decay is None:
+            like = self.run.experiment.eval_state(abstract)
+            self._like, self._view = like, lambda x: {"": x}
+        else:  # the leaves the views use, wherever they are (DiLoCo's outer parameters, EMA)
+            self._like, self._view = _picked(
+                abstract, lambda state: eval_views(self.run, state, params=not ema)
+            )
 
     def evaluate(self, step: int | None = None, *, strict: bool = False) -> dict[str, Any]:
         """Evaluates checkpoint ``step`` (default: the newest readable one)."""
         self.checkpoints.reload()
-        eval_state = self._view(self.checkpoints.restore(like=self._like, step=step,
-                                                         strict=strict, partial=True))  # fmt: skip
+        views = self._view(self.checkpoints.restore(like=self._like, step=step,
+                                                    strict=strict, partial=True))  # fmt: skip
         step = self.checkpoints.restored_step
-        return {"step": step, **evaluate_split(self.run, eval_state)}
+        return {"step": step, **evaluate_views(self.run, views)}
 
     def close(self) -> None:
         self.checkpoints.close()
         self.run.close()
 
 
-def _picked(abstract: Any, pick) -> tuple[dict, Any]:
+def _picked(abstract: Any, pick) -> tuple[Any, Any]:
     """What to restore for ``pick(state)`` when it takes leaves from anywhere in the
-    state (not only whole top-level fields): the leaves it uses, as nested dicts of
-    the saved key names (Orbax restores such a part of a checkpoint), and how to
-    build ``pick(state)`` from them."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    used = sorted(set(jax.tree.leaves(pick(jax.tree.unflatten(treedef, range(len(paths)))))))
-    like: dict = {}
-    for i in used:
-        node, keys = like, [_key_name(k) for k in paths[i][0]]  # Orbax's key names
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = paths[i][1]
+    state (not only whole top-level fields): the state's structure with every leaf
+    it does not use an Orbax placeholder (neither read nor allocated), and how to
+    build ``pick(state)`` from what that restores."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    used = set(jax.tree.leaves(pick(jax.tree.unflatten(treedef, range(len(leaves))))))
+    like = jax.tree.unflatten(
+        treedef, [x if i in used else ocp.PLACEHOLDER for i, x in enumerate(leaves)]
+    )
 
-    def view(restored: dict) -> Any:
-        values = {}
-        for i in used:
-            node = restored
-            for key in paths[i][0]:
-                node = node[_key_name(key)]
-            values[i] = node
-        labels = jax.tree.unflatten(treedef, range(len(paths)))
-        return jax.tree.map(lambda i: values[i], pick(labels))
+    def view(restored: Any) -> Any:
+        values = treedef.flatten_up_to(restored)
+        return jax.tree.map(
+            lambda i: values[i], pick(jax.tree.unflatten(treedef, range(len(leaves))))
+        )
 
     return like, view
-
-
-def _key_name(key: Any) -> str:
-    """A key path entry as Orbax names it in a checkpoint (``opt_state``, ``0``)."""
-    return jax.tree_util.keystr((key,), simple=True)
 
 
 def evaluate(
@@ -147,6 +177,7 @@ def evaluate(
     step: int | None = None,
     devices=None,
     strict: bool = False,
+    ema: bool = False,
 ) -> dict[str, Any]:
     """Restores a checkpoint of ``workdir`` onto the current devices and evaluates it.
 
@@ -157,11 +188,13 @@ def evaluate(
       step: which checkpoint; by default the newest readable one.
       devices: the devices to evaluate on (default: all), whatever trained it.
       strict: fail on an unreadable checkpoint instead of falling back.
+      ema: evaluate only the moving average of the parameters (``ema_`` metrics) of
+        a run that kept one (``ema_decay``); by default both, where it did.
 
     Returns:
       ``{"step", "num_examples", ...}`` with the experiment's metrics.
     """
-    evaluator = Evaluator(config, workdir, devices=devices)
+    evaluator = Evaluator(config, workdir, devices=devices, ema=ema)
     try:
         return evaluator.evaluate(step, strict=strict)
     finally:

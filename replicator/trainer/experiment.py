@@ -21,11 +21,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 
+import replicator as rp
 from replicator.diloco import DiLoCo
-from replicator.errors import ConfigError
 from replicator.replicator import Replicator
+from replicator.trainer.optimizer import OptimizerSpec, make_optimizer
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -44,6 +46,8 @@ class Settings:
       grad_accum_steps: microbatches per replica batch (`rp.TrainState`).
       seed: the run's seed.
       sync: the optimizer's synchronisation: None (every step) or `rp.DiLoCo`.
+      optimizer_spec: the config's optimizer keys (schedule, decay, clipping, EMA,
+        freezing); None: ``optimizer`` at a constant ``learning_rate``.
     """
 
     repl: Replicator
@@ -54,20 +58,37 @@ class Settings:
     grad_accum_steps: int
     seed: int
     sync: DiLoCo | None = None
+    optimizer_spec: OptimizerSpec | None = None
+
+    @property
+    def spec(self) -> OptimizerSpec:
+        """The optimizer keys (`OptimizerSpec`), from the config or the fields above."""
+        if self.optimizer_spec is not None:
+            return self.optimizer_spec
+        return OptimizerSpec(
+            name=self.optimizer,
+            learning_rate=self.learning_rate,
+            num_train_steps=self.num_train_steps,
+        )
 
     def make_optimizer(self, learning_rate: float | None = None) -> optax.GradientTransformation:
-        """The configured optax optimizer, wrapped for the replicas (`repl.wrap_optimizer`).
+        """The configured optimizer (`replicator.trainer.optimizer.make_optimizer`: the alias
+        on its schedule, weight decay, freezing, EMA), wrapped for the replicas
+        (`repl.wrap_optimizer`: the gradients summed, their norm kept and clipped).
 
         Args:
-          learning_rate: overrides the config's (e.g. a GAN's second optimizer).
+          learning_rate: the peak rate instead of the config's (e.g. a GAN's second
+            optimizer); the schedule's shape stays the config's.
         """
-        factory = getattr(optax, self.optimizer, None)
-        if not callable(factory):
-            raise ConfigError(
-                f"config.optimizer={self.optimizer!r} is not an optax optimizer (e.g. 'adam')."
-            )
-        rate = self.learning_rate if learning_rate is None else learning_rate
-        return self.repl.wrap_optimizer(factory(rate), sync=self.sync)
+        spec = self.spec
+        reduce = None if spec.grad_reduce_dtype is None else rp.narrow_sum(jnp.bfloat16)
+        return self.repl.wrap_optimizer(
+            make_optimizer(spec, learning_rate),
+            sync=self.sync,
+            aggregate=reduce,
+            clip_norm=spec.grad_clip_norm,
+            track_norm=True,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

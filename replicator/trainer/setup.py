@@ -12,6 +12,7 @@ import functools
 import importlib
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,14 +23,17 @@ import ml_collections
 import numpy as np
 import optax
 
+import replicator as rp
 from replicator import diloco, groups, sharding
 from replicator import mesh as mesh_lib
+from replicator.context import get_replica_context, varying_axes
 from replicator.errors import ConfigError, UserError
 from replicator.replicator import ReduceOp, Replicator
 from replicator.state import TrainState
 from replicator.trainer import config as config_lib
-from replicator.trainer import data
+from replicator.trainer import data, optimizer
 from replicator.trainer.experiment import Experiment, Settings
+from replicator.trainer.optimizer import OptimizerSpec
 
 log = logging.getLogger("replicator")
 
@@ -130,6 +134,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             grad_accum_steps=config.grad_accum_steps,
             seed=config.seed,
             sync=sync,
+            optimizer_spec=OptimizerSpec.from_config(config),
         ),
     )
     if training:
@@ -145,6 +150,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
     abstract = jax.eval_shape(init)
+    _check_parameter_keys(config, abstract)
     if sync is None:
         with warnings.catch_warnings():
             if not training:
@@ -164,6 +170,34 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
         init, [eval_source],
     )  # fmt: skip
+
+
+def train_params(state: Any) -> list[Any]:
+    """The parameters of every `rp.TrainState` in ``state``."""
+    is_state = lambda x: isinstance(x, TrainState)
+    return [x.params for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+
+
+def _check_parameter_keys(config, abstract: Any) -> None:
+    """The keys that name parameters by regex must name some: a ``freeze`` or
+    ``weight_decay_mask`` that matches nothing is a typo, not a choice."""
+    names = [name for params in train_params(abstract) for name in optimizer.path_names(params)]
+    for key in ("freeze", "weight_decay_mask"):
+        regex = config[key]
+        if regex is None or any(re.search(regex, name) for name in names):
+            continue
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        raise ConfigError(f"config.{key}={regex!r} matches no parameter path; the paths: {shown}")
+    if config.ema_decay is not None and config.diloco is not None:
+        raise ConfigError(
+            "config.ema_decay with config.diloco: the groups' parameters part between "
+            "meetings; average the outer parameters in a custom loop instead"
+        )
+    if config.ema_decay is not None and not names:
+        raise ConfigError(
+            f"config.ema_decay: {config.experiment}'s state has no rp.TrainState whose "
+            "parameters it could average"
+        )
 
 
 def _replicator(config, devices, training: bool) -> Replicator:
@@ -416,7 +450,21 @@ def _status(old: Any, new: Any) -> dict[str, jax.Array]:
     scales = [n.loss_scale.scale for n in news if n.loss_scale is not None]
     if scales:
         status["loss_scale"] = scales[0]
+    if olds:  # the first state's: the update count its schedule is at, its gradient's norm
+        # (Under DiLoCo one per group of replicas: mirrored, as the max and the mean.)
+        status["updates"] = _mirrored(jax.lax.pmax, olds[0].step - olds[0].skipped_steps)
+        norm = rp.grad_norm(news[0].opt_state)
+        if norm is not None:
+            status["grad_norm"] = _mirrored(jax.lax.pmean, norm)
     return status
+
+
+def _mirrored(reduce: Callable, x: jax.Array) -> jax.Array:
+    """``x`` reduced over the replica axes it varies over, so that every process can
+    read it (under `Replicator.run`; `compile` hands over the global value)."""
+    context = get_replica_context()
+    axes = () if context is None else varying_axes(x, context.axis_name)
+    return reduce(x, axes) if axes else x
 
 
 def _with_matmul_precision(fn: Callable, precision: str | None) -> Callable:

@@ -23,8 +23,18 @@ and can compute them on threads.
 
 The data_dir may be a bucket: each machine reads a local copy of the dataset
 (``remote``), and ``prepare_dataset`` puts an offline dataset into one.
+
+Data of one's own needs no tfds builder (``user_sources``): a dataset named
+``'module:function'`` is a function of the split's name that returns a
+random-access source, and ``'array_record:PATTERN'`` names files written by
+`write_array_records` (``array_records``). Both go through the same
+iterators, so every guarantee above holds for them too.
 """
 
+from replicator.trainer.data.array_records import ArrayRecordSource as ArrayRecordSource
+from replicator.trainer.data.array_records import decode_example as decode_example
+from replicator.trainer.data.array_records import encode_example as encode_example
+from replicator.trainer.data.array_records import write_array_records as write_array_records
 from replicator.trainer.data.cache import CachedSource as CachedSource
 from replicator.trainer.data.iterators import TrainIterator as TrainIterator
 from replicator.trainer.data.iterators import local_batch_size as local_batch_size
@@ -35,5 +45,6 @@ from replicator.trainer.data.iterators import shard_bounds as shard_bounds
 from replicator.trainer.data.records import RecordSource as RecordSource
 from replicator.trainer.data.records import read_batch as read_batch
 from replicator.trainer.data.sources import DatasetNotPreparedError as DatasetNotPreparedError
+from replicator.trainer.data.sources import builds_here as builds_here
 from replicator.trainer.data.sources import load_data_source as load_data_source
 from replicator.trainer.data.sources import prepare_dataset as prepare_dataset

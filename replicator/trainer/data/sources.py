@@ -1,13 +1,23 @@
-"""Opening tfds splits as random-access sources: prepared data, or built offline.
+"""Opening a dataset's split as a random-access source: tfds data, or data of one's own.
 
+A dataset is a tfds name, prepared or built where it is (`load_data_source`),
+or one's own: a Python function ``'module:function'`` or array_record files
+``'array_record:PATTERN'`` (`replicator.trainer.data.user_sources`).
 TensorFlow is never needed: tfds writes and reads array_record files. A split
 that fits in memory is wrapped in a `CachedSource`, decoded once in the
 background; others are read a batch at a time through `RecordSource`.
 
+tfds builders come in two kinds. Those of tfds' own catalog (``mnist``,
+``cifar10``, ...) download their data: replicator never prepares them, so it
+cannot hang on a machine without network; they are prepared elsewhere with
+``tfds build``. Any other builder, one defined in your package or in
+``experiments.datasets``, is yours: it is prepared where it is (under
+``data_dir``) on first use, as ``tfds.load`` would, with no flag to set.
+
 A data_dir may be a bucket (``gs://...``). ArrayRecord cannot read or write
 there (see `replicator.trainer.data.remote`), so each machine reads the
-dataset's version from a copy on its own disk, made on first use, and an
-offline dataset missing from the bucket is built on a disk and uploaded.
+dataset's version from a copy on its own disk, made on first use, and a
+dataset of your own missing from the bucket is built on a disk and uploaded.
 """
 
 import difflib
@@ -22,7 +32,7 @@ from replicator import storage
 from replicator.errors import DatasetError
 from replicator.errors import DatasetNotPreparedError as DatasetNotPreparedError
 from replicator.runtime import compat
-from replicator.trainer.data import remote
+from replicator.trainer.data import remote, user_sources
 from replicator.trainer.data.cache import CachedSource
 from replicator.trainer.data.records import _FILE_FORMAT, Example, RecordSource
 
@@ -37,37 +47,39 @@ def load_data_source(
     fill_in_background: bool = False,
     cache_dir: str | os.PathLike | None = None,
 ) -> Sequence[Example]:
-    """Opens one split of a tfds dataset as a random-access data source.
+    """Opens one split of a dataset as a random-access data source.
 
-    Builders that need no download (their class sets ``BUILDS_OFFLINE = True``,
-    like ``digits`` in ``experiments.datasets``) are built under ``data_dir``
-    on first use. Download-based builders (``mnist``, ``cifar10``, ...) must
-    already be prepared there in array_record format; this function never
-    downloads, so it cannot hang on a machine without network. Under
+    ``name`` is a tfds name, or one's own data (`replicator.trainer.data.user_sources`:
+    ``'MODULE:FUNCTION'``, ``'MODULE:BuilderClass'``, ``'array_record:PATTERN'``).
+    tfds builders of your own (outside tfds' catalog: in your package, beside
+    your config, or ``digits`` in ``experiments.datasets``) are built under
+    ``data_dir`` on first use. tfds' catalog builders (``mnist``, ``cifar10``,
+    ...) must already be prepared there in array_record format; this function
+    never downloads, so it cannot hang on a machine without network. Under
     ``tfds.testing.mock_data`` any registered dataset reads as fake examples.
 
     A ``gs://`` data_dir is read through a local copy of the dataset's
     version directory under ``cache_dir``, made once per machine (every
     process of a run calls this; the processes of one machine share the
-    copy). An offline dataset missing from the bucket is built locally by
-    each machine, and process 0 uploads it; a download-based one must be put
-    there first (the error says how).
+    copy). A dataset of your own missing from the bucket is built locally by
+    each machine, and process 0 uploads it; a catalog one must be put there
+    first (the error says how).
 
     Args:
-        name: tfds name, optionally with config and version (``"mnist:3.*.*"``).
-            Builders defined in this repository are known to tfds once their
-            module is imported (``import experiments.datasets``).
-        split: tfds split, slices included (``"train"``, ``"train[:90%]"``).
+        name: tfds name, optionally with config and version (``"mnist:3.*.*"``;
+            a builder is known once its module is imported), or one's own.
+        split: split name, tfds' slices included (``"train"``, ``"train[:90%]"``).
         data_dir: root of the tfds data; None means tfds' default
-            (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
-        prepare: build an offline dataset that is missing; with False a
+            (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``). A function that
+            takes ``data_dir`` gets it as it is.
+        prepare: build a dataset of your own that is missing; with False a
             missing dataset is an error.
         max_cache_bytes: keep decoded examples in memory (`CachedSource`) if
             the whole split would take at most this many bytes, estimated from
             its first example; 0 never caches.
         fill_in_background: start decoding a cached split right away, on a
             thread (`CachedSource.fill_in_background`).
-        cache_dir: where copies of datasets in a bucket are kept (default
+        cache_dir: where copies of data in a bucket are kept (default
             ``$XDG_CACHE_HOME/replicator/tfds``, i.e. ``~/.cache/...``); a
             bucket's ``gs://B/P`` is copied to ``cache_dir/B/P``.
 
@@ -80,7 +92,8 @@ def load_data_source(
         DatasetNotPreparedError: the dataset's files are missing; the message
             says where it looked and gives the command that prepares them.
         ValueError: unknown dataset or split, or files stored in a format
-            without random access (TFRecord).
+            without random access (TFRecord); a `ConfigError` for a function or
+            array_record dataset that cannot be read as asked.
         replicator.storage.StorageError: a bucket data_dir that does not
             exist, cannot be read, or does not answer.
 
@@ -88,8 +101,17 @@ def load_data_source(
     >>> source = load_data_source("digits", "test", data_dir=data_dir)
     >>> len(source), source[0]["image"].shape, int(source[0]["label"]) in range(10)
     (360, (8, 8, 1), True)
+    >>> own = load_data_source("experiments.datasets.digits:make_source", "test")
+    >>> len(own), own[0]["image"].tolist() == source[0]["image"].tolist()
+    (360, True)
     """
-    source = _open_split(name, split, data_dir=data_dir, prepare=prepare, cache_dir=cache_dir)
+    tfds_name = _tfds_name(name)
+    if tfds_name is None:
+        source = user_sources.open_split(name, split, data_dir=data_dir, cache_dir=cache_dir)
+    else:
+        source = _open_split(
+            tfds_name, split, data_dir=data_dir, prepare=prepare, cache_dir=cache_dir
+        )
     if len(source) and len(source) * _num_bytes(source[0]) <= max_cache_bytes:
         source = CachedSource(source)
         if fill_in_background:
@@ -111,8 +133,8 @@ def prepare_dataset(
     bucket meanwhile never takes a partial upload for the dataset.
 
     Args:
-        name: tfds name, optionally with config and version, of a builder that
-            needs no download (its class sets ``BUILDS_OFFLINE = True``).
+        name: tfds name, optionally with config and version, of a builder of
+            your own (not of tfds' catalog, whose builders download).
         data_dir: root of the tfds data, local or ``gs://``; None means tfds'
             default (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
         cache_dir: where the local build for a bucket goes (as for
@@ -131,21 +153,37 @@ def prepare_dataset(
     >>> prepare_dataset("digits", data_dir)
     '.../digits/1.0.0'
     """
+    name = _tfds_name(name) or name
     if data_dir is not None and storage.is_remote(data_dir):
         builder = _bucket_builder(name, storage.normalize(data_dir))
         version_url = storage.normalize(builder.data_dir)
         if not remote.is_uploaded(version_url):
-            if not getattr(builder, "BUILDS_OFFLINE", False):
+            if not builds_here(builder):
                 raise DatasetNotPreparedError(_not_prepared_message(name, builder, True))
             local_dir = _build_copy(name, builder, cache_dir)
             remote.upload(local_dir, version_url)
         return version_url
     builder = _get_builder(name, data_dir)
     if not builder.is_prepared():
-        if not getattr(builder, "BUILDS_OFFLINE", False):
+        if not builds_here(builder):
             raise DatasetNotPreparedError(_not_prepared_message(name, builder, True))
         builder = _prepare_offline(name, data_dir)
     return os.fspath(builder.data_dir)
+
+
+def builds_here(builder: tfds.core.DatasetBuilder) -> bool:
+    """Whether `load_data_source` prepares ``builder``'s dataset where it is on first
+    use: any builder of your own does; those of tfds' catalog download, so never."""
+    return not type(builder).__module__.startswith("tensorflow_datasets.")
+
+
+def _tfds_name(name: str) -> str | None:
+    """The tfds name ``name`` stands for ('module:Class' of a builder: the builder's),
+    or None for a function or array_record dataset."""
+    if not user_sources.is_user_source(name):
+        return name
+    builder_class = user_sources.builder_class(name)
+    return None if builder_class is None else builder_class.name
 
 
 def _open_split(
@@ -161,7 +199,7 @@ def _open_split(
         bucket_builder = _bucket_builder(name, storage.normalize(data_dir))
         data_dir = _local_copy(name, bucket_builder, prepare=prepare, cache_dir=cache_dir)
     builder = _get_builder(name, data_dir)
-    if prepare and getattr(builder, "BUILDS_OFFLINE", False) and not builder.is_prepared():
+    if prepare and builds_here(builder) and not builder.is_prepared():
         builder = _prepare_offline(name, data_dir)
     # Reading first and explaining failures after lets tfds.testing.mock_data,
     # which fakes as_data_source but not is_prepared, stand in for real files.
@@ -191,9 +229,10 @@ def _get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
         close = difflib.get_close_matches(name.split(":")[0], known, n=5)
         raise DatasetError(
             f"Unknown dataset {name!r}. Close matches: {close or 'none'}. "
-            f"tfds knows {len(known)} datasets (tfds.list_builders()); builders "
-            "defined in this repository register when their module is imported, "
-            "e.g. `import experiments.datasets` for 'digits'."
+            f"tfds knows {len(known)} datasets (tfds.list_builders()); a builder of "
+            "your own registers when its module is imported: import it in your "
+            "experiment's module (as experiments.classify imports experiments.datasets "
+            "for 'digits'), or name it as the dataset 'module:BuilderClass'."
         ) from None
 
 
@@ -201,6 +240,16 @@ def _prepare_offline(name: str, data_dir: str | None) -> tfds.core.DatasetBuilde
     builder = _get_builder(name, data_dir)
     try:
         builder.download_and_prepare(file_format=_FILE_FORMAT)
+    except ModuleNotFoundError as e:
+        if e.name != "importlib_resources":
+            raise
+        # tfds 4.9.10 imports it for a builder that lives in a package, without
+        # depending on it (tensorflow/datasets#11212).
+        raise DatasetError(
+            f"Building {name!r} ({type(builder).__module__}) needs the importlib_resources "
+            "package, which tfds uses for builders in a package but does not install: "
+            "pip install importlib_resources"
+        ) from e
     except OSError:
         # Processes sharing a data_dir race to rename their finished copy into
         # place; losing that race is fine, as long as someone won it.
@@ -231,7 +280,7 @@ def _local_copy(
         remote.fill_once(
             version_url, lambda d: remote.download(version_url, d), cache_dir=cache_dir
         )
-    elif prepare and getattr(bucket_builder, "BUILDS_OFFLINE", False):
+    elif prepare and builds_here(bucket_builder):
         # Every machine builds its own copy (the builder is deterministic and
         # needs no network) rather than wait for another's upload; one uploads.
         local_dir = _build_copy(name, bucket_builder, cache_dir)
@@ -261,9 +310,9 @@ def _is_first_process() -> bool:
 
 def _not_prepared_message(name: str, builder: tfds.core.DatasetBuilder, prepare: bool) -> str:
     where = f"Dataset {name!r} is not prepared in {_FILE_FORMAT} format at {builder.data_dir}."
-    if getattr(builder, "BUILDS_OFFLINE", False) and not prepare:
+    if builds_here(builder) and not prepare:
         return (
-            f"{where} It needs no download: call load_data_source(..., prepare=True) "
+            f"{where} It is built where it is: call load_data_source(..., prepare=True) "
             f"or prepare_dataset({name!r}, {str(builder.data_dir_root)!r})."
         )
     root = os.fspath(builder.data_dir_root)

@@ -1,0 +1,196 @@
+"""Starting from another run's parameters: ``init_from`` (fine-tuning, warm starts).
+
+``config.init_from`` names a run's workdir or its checkpoints directory (local
+or ``gs://``), optionally ``PATH:STEP`` (default: the newest step). Its
+parameters and model state (every saved array whose path has a ``params`` or
+``model_state`` key) are loaded into the fresh state where a model path takes
+them; the optimizer state, step and RNG start fresh. ``init_from_rules``, pairs
+``(regex, replacement)`` applied in order with `re.sub`, rename the checkpoint's
+paths to the model's (``('^params/backbone/', 'params/')``).
+
+`plan` reads only the checkpoint's metadata and fails, before anything is
+written, on a source that is not there or of other shapes; `read` reads the
+arrays the plan names onto the state's shardings (Orbax's partial restore:
+nothing else is read), also before anything is written, so an unreadable source
+fails then too; `place` puts them into the fresh state. A resumed run continues
+from its own checkpoint and loads nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any
+
+import jax
+
+from replicator import storage
+from replicator.checkpoint import CheckpointMismatchError, Checkpoints, CorruptCheckpointError
+from replicator.errors import ConfigError
+
+log = logging.getLogger("replicator")
+
+_MODEL_KEYS = ("params", "model_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `load` reads: ``sources[model path] = checkpoint path``, and the report."""
+
+    directory: str
+    step: int
+    sources: dict[str, str]
+    fresh: list[str]
+    unused: list[str]
+
+    def report(self) -> str:
+        """The console's line."""
+        line = (
+            f"init_from {self.directory} step {self.step}: loaded {len(self.sources)} arrays, "
+            f"{len(self.fresh)} initialised fresh, {len(self.unused)} in the checkpoint unused"
+        )
+        return line + (" (listed in log.txt)" if self.fresh or self.unused else "")
+
+    def details(self) -> str:
+        """The log's lines: every path, by what happened to it."""
+        lines = [f"init_from {self.directory} step {self.step}:"]
+        for title, paths in (
+            ("loaded", [f"{m} <- {c}" if m != c else m for m, c in self.sources.items()]),
+            ("initialised fresh", self.fresh),
+            ("in the checkpoint, unused", self.unused),
+        ):
+            lines.append(f"  {title} ({len(paths)}):")
+            lines += [f"    {p}" for p in paths]
+        return "\n".join(lines)
+
+
+def parse(spec: str) -> tuple[str, int | None]:
+    """``PATH`` or ``PATH:STEP`` -> (path, step or None).
+
+    >>> parse("gs://bucket/run:200"), parse("/runs/a"), parse("gs://bucket/run")
+    (('gs://bucket/run', 200), ('/runs/a', None), ('gs://bucket/run', None))
+    """
+    path, colon, step = spec.rpartition(":")
+    if colon and step.isdigit() and path and not path.endswith(":/"):
+        return path, int(step)
+    return spec, None
+
+
+def checkpoints_dir(path: str) -> str:
+    """A run's workdir -> its ``checkpoints`` directory; a checkpoints directory as it is."""
+    path = storage.normalize(path)
+    inner = storage.join(path, "checkpoints")
+    return inner if storage.exists(inner) else path
+
+
+def model_paths(abstract_state: Any) -> dict[str, Any]:
+    """The state's parameter and model-state leaves, by path (the checkpoint's naming)."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    return {_name(p): x for p, x in flat if _is_model(_name(p))}
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _is_model(name: str) -> bool:
+    return any(key in _MODEL_KEYS for key in name.split("/"))
+
+
+def plan(spec: str, rules: Any, abstract_state: Any, repl) -> Plan:
+    """Matches the checkpoint's arrays to the state's (reading metadata only).
+
+    Raises:
+      ConfigError: no checkpoint there, an unreadable one, a rule that renames two
+        saved arrays to one path, or shapes that differ (every such path listed).
+    """
+    path, step = parse(spec)
+    directory = checkpoints_dir(path)
+    try:
+        source = Checkpoints(directory, repl, read_only=True)
+        steps = source.all_steps()
+    except (OSError, ValueError) as e:  # a StorageError too
+        raise ConfigError(f"config.init_from={spec!r} cannot be read: {e}") from None
+    if not steps:
+        raise ConfigError(f"config.init_from={spec!r}: {directory} holds no checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(
+            f"config.init_from={spec!r}: no step {step} in {directory}; it has {steps}"
+        )
+    try:
+        saved = source.saved_shapes(step)
+    except CorruptCheckpointError as e:
+        raise ConfigError(f"config.init_from={spec!r}: {e}") from None
+    finally:
+        source.close()
+    return _match(directory, step, saved, model_paths(abstract_state), rules or ())
+
+
+def _match(directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rules) -> Plan:
+    renamed: dict[str, str] = {}
+    for name in (n for n in saved if _is_model(n)):
+        new = name
+        for regex, replacement in rules:
+            new = re.sub(regex, replacement, new)
+        if new in renamed:
+            raise ConfigError(
+                f"config.init_from_rules rename both {renamed[new]} and {name} to {new}"
+            )
+        renamed[new] = name
+    sources = {m: renamed[m] for m in wanted if m in renamed}
+    wrong = [
+        f"{m} {tuple(wanted[m].shape)} <- {c} {saved[c]}"
+        for m, c in sources.items()
+        if tuple(saved[c]) != tuple(wanted[m].shape)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"config.init_from: {len(wrong)} arrays have other shapes in the checkpoint "
+            f"(model <- checkpoint): {'; '.join(wrong)}"
+        )
+    if not sources:
+        raise ConfigError(
+            f"config.init_from: no array of {directory} step {step} fits the model's paths "
+            f"(saved e.g. {sorted(renamed)[:3]}, the model's e.g. {sorted(wanted)[:3]}); "
+            "rename them with config.init_from_rules"
+        )
+    fresh = sorted(set(wanted) - set(sources))
+    unused = sorted(set(renamed.values()) - set(sources.values()))
+    return Plan(directory, step, sources, fresh, unused)
+
+
+def read(the_plan: Plan, abstract_state: Any, repl) -> dict:
+    """The planned arrays, read from the checkpoint onto the shardings of
+    ``abstract_state``'s leaves, as nested dicts of the checkpoint's key names."""
+    wanted = model_paths(abstract_state)
+    like: dict = {}
+    for model, saved in the_plan.sources.items():
+        node, keys = like, saved.split("/")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = wanted[model]
+    source = Checkpoints(the_plan.directory, repl, read_only=True)
+    try:
+        return source.restore(like=like, step=the_plan.step, partial=True)
+    except (CheckpointMismatchError, CorruptCheckpointError) as e:
+        raise ConfigError(f"config.init_from: {e}") from None
+    finally:
+        source.close()
+
+
+def place(the_plan: Plan, arrays: dict, state: Any) -> Any:
+    """``state`` with the arrays `read` gave in the leaves the plan names."""
+
+    def value(path, x):
+        saved = the_plan.sources.get(_name(path))
+        if saved is None:
+            return x
+        node = arrays
+        for key in saved.split("/"):
+            node = node[key]
+        return node
+
+    return jax.tree_util.tree_map_with_path(value, state)

@@ -1,0 +1,283 @@
+"""The config's optimizer keys: schedules, optimizer arguments, weight decay, clipping,
+EMA, fine-tuning from another run, freezing; through the CLI where a user meets them."""
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import replicator as rp
+from replicator.trainer.optimizer import OptimizerSpec, make_optimizer, make_schedule
+from tests.test_checkpoint import finish, start_train, wait_for
+from tests.test_cli import SMOKE, assert_one_line_error, run_cli
+from tests.test_train import read_records
+
+LR = 2e-3  # configs/digits_cnn.py's
+
+
+# ---- The chain, as optax pieces.
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear", "rsqrt"])
+def test_schedules_start_at_zero_peak_after_warmup_and_end_where_asked(kind):
+    s = make_schedule(kind, 1.0, 10, 110, 0.2)
+    assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
+    assert float(s(10)) == pytest.approx(1.0)
+    end = {"constant": 1.0, "cosine": 0.2, "linear": 0.2, "rsqrt": (10 / 110) ** 0.5}[kind]
+    assert float(s(110)) == pytest.approx(end, rel=1e-6)
+
+
+def test_cosine_with_warmup_is_optax_warmup_cosine():
+    ours = make_schedule("cosine", LR, 4, 40, 0.1)
+    theirs = optax.warmup_cosine_decay_schedule(0.0, LR, 4, 40, 0.1 * LR)
+    for count in range(41):
+        assert float(ours(count)) == pytest.approx(float(theirs(count)), rel=1e-6, abs=1e-12)
+
+
+def grads_like(params):
+    return jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+
+
+PARAMS = {"dense": {"kernel": jnp.full((3, 4), 2.0), "bias": jnp.full((4,), 2.0)}}
+
+
+def one_update(spec):
+    tx = make_optimizer(spec)
+    state = tx.init(PARAMS)
+    updates, state = tx.update(grads_like(PARAMS), state, PARAMS)
+    return updates, state
+
+
+def test_optimizer_args_reach_the_alias():
+    spec = OptimizerSpec(name="sgd", learning_rate=0.1, args={"momentum": 0.9, "nesterov": True})
+    updates, _ = one_update(spec)
+    tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
+    want, _ = tx.update(grads_like(PARAMS), tx.init(PARAMS), PARAMS)
+    jax.tree.map(np.testing.assert_array_equal, updates, want)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_weight_decay_is_decoupled_scaled_by_the_rate_and_skips_vectors(name):
+    decayed, _ = one_update(OptimizerSpec(name=name, learning_rate=0.1, weight_decay=0.5))
+    plain, _ = one_update(OptimizerSpec(name=name, learning_rate=0.1, weight_decay=0.0))
+    # lr * wd * p = 0.1 * 0.5 * 2.0 on the kernel; nothing on the bias.
+    np.testing.assert_allclose(decayed["dense"]["kernel"] - plain["dense"]["kernel"], -0.1)
+    np.testing.assert_array_equal(decayed["dense"]["bias"], plain["dense"]["bias"])
+    masked, _ = one_update(
+        OptimizerSpec(name=name, learning_rate=0.1, weight_decay=0.5, weight_decay_mask="bias")
+    )
+    np.testing.assert_allclose(masked["dense"]["bias"] - plain["dense"]["bias"], -0.1)
+    np.testing.assert_array_equal(masked["dense"]["kernel"], plain["dense"]["kernel"])
+
+
+def test_frozen_parameters_get_no_update_and_hold_no_optimizer_state():
+    updates, state = one_update(OptimizerSpec(freeze="bias"))
+    np.testing.assert_array_equal(updates["dense"]["bias"], 0.0)
+    assert np.all(np.asarray(updates["dense"]["kernel"]) != 0.0)
+    sizes = [x.size for x in jax.tree.leaves(state)]
+    _, unfrozen = one_update(OptimizerSpec())
+    # Adam's two moments of the kernel alone: 2 * 12, plus its counts.
+    assert sum(sizes) == sum(x.size for x in jax.tree.leaves(unfrozen)) - 2 * 4
+
+
+def test_ema_averages_the_new_parameters_in_the_optimizer_state():
+    spec = OptimizerSpec(name="sgd", learning_rate=1.0, ema_decay=0.75)
+    updates, state = one_update(spec)
+    new = optax.apply_updates(PARAMS, updates)  # 2.0 - 0.5 = 1.5
+    ema = rp.ema.ema_params(state)
+    np.testing.assert_allclose(ema["dense"]["kernel"], 0.75 * 2.0 + 0.25 * 1.5)
+    np.testing.assert_array_equal(new["dense"]["kernel"], 1.5)
+
+
+# ---- Through the CLI, on the digits.
+
+
+def train_cli(workdir, data_dir, *extra, devices=2):
+    return run_cli(
+        "train", *SMOKE, "--workdir", str(workdir), f"--config.data_dir={data_dir}", "--quiet",
+        *extra, devices=devices,
+    )  # fmt: skip
+
+
+def test_logged_learning_rate_follows_warmup_and_cosine_and_grad_norm_is_logged(
+    tmp_path, digits_data_dir
+):
+    done = train_cli(
+        tmp_path / "run", digits_data_dir,
+        "--config.num_train_steps=12", "--config.log_every_steps=1",
+        "--config.lr_schedule=cosine", "--config.warmup_steps=4",
+        "--config.lr_end_fraction=0.1", "--config.grad_clip_norm=0.5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [r for r in read_records(tmp_path / "run") if "split" not in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    want = optax.warmup_cosine_decay_schedule(0.0, LR, 4, 12, 0.1 * LR)
+    for r in records:  # the rate the step's update used: the schedule at updates before it
+        assert r["learning_rate"] == pytest.approx(float(want(r["step"] - 1)), rel=1e-6, abs=0)
+        assert np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    assert "parameters " in done.stderr and "cosine learning rate 0.002" in done.stderr
+    from tests.test_checkpoint import tensorboard_scalars
+
+    shown = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in shown["train/learning_rate"]] == list(range(1, 13))
+
+
+EMA_FLAGS = ("--config.ema_decay=0.9",)
+
+
+def ema_leaves(workdir):
+    """The EMA in the last checkpoint's optimizer state, read with plain Orbax."""
+    directory = workdir / "checkpoints"
+    step = max(int(d.name) for d in directory.iterdir() if d.name.isdigit())
+    path = directory / str(step) / "state"
+    handler = ocp.PyTreeCheckpointHandler()
+    tree = handler.metadata(path).tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    restored = ocp.Checkpointer(handler).restore(
+        path, args=ocp.args.PyTreeRestore(tree, restore_args=as_numpy)
+    )
+    flat = jax.tree_util.tree_flatten_with_path(restored["opt_state"])[0]
+    found = {jax.tree_util.keystr(p): x for p, x in flat if "ema" in jax.tree_util.keystr(p)}
+    assert found, "no EMA in the checkpoint's optimizer state"
+    return step, found
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, digits_data_dir):
+    workdir = tmp_path_factory.mktemp("ema") / "run"
+    code, out, err = finish(start_train(workdir, digits_data_dir, *EMA_FLAGS))
+    assert code == 0, err[-3000:]
+    return workdir
+
+
+def test_ema_metrics_and_ema_survive_kill_and_resume_bitwise(tmp_path, digits_data_dir, ema_run):
+    evals = [r for r in read_records(ema_run) if r.get("split") == "test"]
+    assert [r["step"] for r in evals] == [100, 200, 300]
+    for r in evals:
+        assert 0 < r["ema_accuracy"] <= 1 and np.isfinite(r["ema_loss"])
+        assert r["ema_accuracy"] != r["accuracy"] or r["ema_loss"] != r["loss"]
+    workdir = tmp_path / "killed"
+    proc = start_train(workdir, digits_data_dir, *EMA_FLAGS)
+    wait_for(lambda: (workdir / "checkpoints" / "100").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    code, out, err = finish(start_train(workdir, digits_data_dir, *EMA_FLAGS))
+    assert code == 0, err[-3000:]
+    assert "Resumed from step" in err
+    step, ema = ema_leaves(workdir)
+    ref_step, ref_ema = ema_leaves(ema_run)
+    assert step == ref_step == 300 and ema.keys() == ref_ema.keys()
+    for key in ema:
+        np.testing.assert_array_equal(ema[key], ref_ema[key])
+    assert [r for r in read_records(workdir) if r.get("split") == "test"] == evals
+
+
+def test_eval_ema_evaluates_only_the_average(ema_run):
+    done = run_cli("eval", "--workdir", str(ema_run), "--ema")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    last = [r for r in read_records(ema_run) if r.get("split") == "test"][-1]
+    assert result["ema_accuracy"] == last["ema_accuracy"] and "accuracy" not in result
+    assert result["num_examples"] == 360
+
+
+def test_init_from_with_freeze_reproduces_the_source_eval(tmp_path, digits_data_dir, ema_run):
+    done = train_cli(
+        tmp_path / "tuned", digits_data_dir,
+        f"--config.init_from={ema_run}:300", "--config.freeze=.*",
+        "--config.num_train_steps=2", "--config.eval_every_steps=1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"init_from {ema_run}/checkpoints step 300: loaded " in done.stderr
+    source = [r for r in read_records(ema_run) if r.get("split") == "test"][-1]
+    first = [r for r in read_records(tmp_path / "tuned") if r.get("split") == "test"][0]
+    assert (first["accuracy"], first["loss"]) == (source["accuracy"], source["loss"])
+    log = (tmp_path / "tuned" / "log.txt").read_text()
+    assert "params/Dense_0/kernel" in log and "in the checkpoint, unused" in log
+
+
+@pytest.fixture(scope="module")
+def corrupt_run(tmp_path_factory, ema_run):
+    """A copy of the EMA run whose newest checkpoint's arrays are garbage."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("corrupt") / "run"
+    shutil.copytree(ema_run / "checkpoints", copy / "checkpoints")
+    for root, _, files in os.walk(copy / "checkpoints" / "300" / "state"):
+        for name in files:
+            if not name.endswith(".json") and "metadata" not in name:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.write(b"\0garbage" * 16)
+    return copy
+
+
+BAD = [
+    (["--config.lr_schedule=cosin"], ["'lr_schedule'='cosin' is not one of"]),
+    (["--config.warmup_steps=999"], ["'warmup_steps'=999 is more than 'num_train_steps'"]),
+    (["--config.weight_decay=-0.1"], ["'weight_decay' must be >= 0.0"]),
+    (["--config.ema_decay=1.5"], ["'ema_decay' must be in (0, 1)"]),
+    (["--config.freeze=^nothing_like_this"], ["matches no parameter path", "Dense_0/kernel"]),
+    (["--config.optimizer=adam", "--config.optimizer_args={'momentum': 0.9}"],
+     ["'optimizer_args' has ['momentum']", "optax.adam takes"]),
+    (["--config.init_from=/nonexistent/run"], ["config.init_from='/nonexistent/run'"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, expected", BAD, ids=[f[0] for f, _ in BAD])
+def test_bad_optimizer_keys_are_one_line_and_write_nothing(
+    tmp_path, digits_data_dir, flags, expected
+):
+    workdir = tmp_path / "run"
+    done = train_cli(workdir, digits_data_dir, *flags)
+    assert_one_line_error(done, *expected)
+    assert not workdir.exists()
+
+
+def test_bad_init_from_sources_are_one_line_and_write_nothing(
+    tmp_path, digits_data_dir, ema_run, corrupt_run
+):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([f"--config.init_from={empty}"], ["holds no checkpoint"]),
+        ([f"--config.init_from={ema_run}:7"], ["no step 7"]),
+        ([f"--config.init_from={corrupt_run}"], ["config.init_from"]),
+        ([f"--config.init_from={ema_run}", "--config.model.dense_features=32"],
+         ["other shapes in the checkpoint", "params/Dense_0/kernel"]),
+    ]  # fmt: skip
+    for flags, expected in cases:
+        workdir = tmp_path / "run"
+        done = train_cli(workdir, digits_data_dir, *flags)
+        assert_one_line_error(done, *expected)
+        assert not workdir.exists(), flags
+
+
+# ---- grad_reduce_dtype: the cross-replica sum in bfloat16, in the trainer.
+
+
+@pytest.mark.parametrize(
+    "name, steps, metric, tolerance",
+    [("digits_cnn", 60, "accuracy", 0.03), ("lm_tiny", 20, "loss", 0.02)],
+)
+def test_a_bf16_gradient_sum_trains_like_a_float32_one(
+    tmp_path, digits_data_dir, name, steps, metric, tolerance
+):
+    from replicator import trainer
+    from tests.test_configs import CONFIG_DIR, load_config
+
+    results = {}
+    for dtype in (None, "bf16"):
+        config = load_config(CONFIG_DIR / f"{name}.py", "smoke")
+        config.update(
+            num_train_steps=steps, eval_every_steps=steps, checkpoint_every_steps=steps,
+            log_every_steps=steps, grad_reduce_dtype=dtype, data_dir=digits_data_dir,
+        )  # fmt: skip
+        results[dtype] = trainer.train_and_evaluate(config, str(tmp_path / str(dtype)), quiet=True)
+    f32, bf16 = results[None][metric], results["bf16"][metric]
+    assert np.isfinite(bf16) and abs(bf16 - f32) <= tolerance * max(abs(f32), 1.0), (f32, bf16)
