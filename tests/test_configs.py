@@ -181,6 +181,7 @@ def parse(path: pathlib.Path, argv: list[str], monkeypatch) -> ml_collections.Co
     return values.config
 
 
+@pytest.mark.slow  # 13 s; every config's two steps run on every make test
 def test_lm_tiny_learns_within_60_steps(tmp_path, digits_data_dir):
     config = load_config(CONFIG_DIR / "lm_tiny.py")
     config.update(num_train_steps=60, eval_every_steps=60, checkpoint_every_steps=60,

@@ -107,7 +107,10 @@ def eval_line(saved, fitted, num_devices):
     return f"eval on mesh {fitted} (saved: {saved}; refitted to {num_devices} device{plural})"
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n == "lm_tiny" else n for n in RUNS],
+)  # (lm_tiny: 12 s; the digits configs check the same on every make test)
 def test_eval_on_1_and_3_devices_equals_the_training_runs_eval(name, tmp_path, digits_data_dir):
     config, overrides, saved, fitted = RUNS[name]
     fitted = {1: dict.fromkeys(MESH_AXES, 1), **fitted}

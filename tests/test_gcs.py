@@ -143,6 +143,7 @@ def test_sigkill_then_resume_from_another_directory_is_bitwise(
     assert tensorboard_scalars(storage.path(f"{workdir}/tensorboard"))["train/loss"] == want
 
 
+@pytest.mark.slow  # 12 s; eval on other device counts: test_eval_anywhere, on every make test
 def test_eval_from_a_bucket_on_1_and_3_devices(tmp_path, bucket, digits_data_dir):
     workdir = f"{bucket}/runs/e"
     finish(train(workdir, digits_data_dir, tmp_path, "--config.num_train_steps=40"))
@@ -284,3 +285,19 @@ def test_two_processes_share_one_run_on_a_bucket(
     assert [r["step"] for r in ours] == [r["step"] for r in reference]
     for a, b in zip(ours, reference):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+def test_init_from_a_run_on_a_bucket(tmp_path, bucket, digits_data_dir):
+    """Fine-tuning reads the source run from the bucket: with everything frozen, the
+    first eval is the source run's."""
+    source = f"{bucket}/runs/pretrained"
+    finish(train(source, digits_data_dir, tmp_path, "--config.num_train_steps=40"))
+    tuned = tmp_path / "tuned"
+    out, err = finish(
+        train(tuned, digits_data_dir, tmp_path, "--config.num_train_steps=1",
+              f"--config.init_from={source}:40", "--config.freeze=.*")
+    )  # fmt: skip
+    assert f"init_from {source}/checkpoints step 40: loaded " in err
+    want = [r for r in records(source) if r.get("split") == "test"][-1]
+    got = [r for r in records(tuned) if r.get("split") == "test"][0]
+    assert (got["accuracy"], got["loss"]) == (want["accuracy"], want["loss"])
