@@ -32,7 +32,10 @@ OURS = {
     "compile": (["--rounds", "2"], ["--rounds", "1"]),
 }
 # Their docs sections are written by hand.
-OTHERS = ("loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage")
+OTHERS = (
+    "loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage",
+    "grad_sum",
+)  # fmt: skip
 PREAMBLE = """# Benchmarks
 
 Measured side by side on the development machine (a shared 2-core AMD EPYC VM,
@@ -56,6 +59,7 @@ def sections() -> dict[str, str]:
     import checkpoint
     import compile as compile_bench
     import efficiency
+    import grad_sum
     import precision
     import scaling
     import storage
@@ -69,6 +73,7 @@ def sections() -> dict[str, str]:
         "checkpoint": checkpoint,
         "precision": precision,
         "storage": storage,
+        "grad_sum": grad_sum,
     }
     out = {}
     for name, module in modules.items():

@@ -323,9 +323,8 @@ class Checkpoints:
         return _marked_like(self._restore_readable(step, read, strict), like)
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
-        """The shape of every array saved with ``step``, by its path (``params/Dense_0/kernel``:
-        the keys joined by ``/``, as restoring names them)."""
-        self._check_structure(step, {}, partial=True)  # a step without a readable state fails
+        """Each array saved with ``step``: its path (keys joined by ``/``) -> its shape."""
+        self._check_structure(step, {}, partial=True)  # unreadable metadata: one line
         return _shapes(self._manager.item_metadata(step)["state"])
 
     def saved_data_state(self, step: int) -> Any:

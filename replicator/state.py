@@ -44,9 +44,11 @@ class TrainState:
       loss_scale: the dynamic loss scale (fp16), or None.
       skipped_steps: how many updates were skipped for non-finite gradients.
       grad_accum_steps: microbatches each replica's batch is split into.
-      per_replica_grads: whether `value_and_grad` keeps each replica's own
-        gradients beside their sums, for an optimizer that aggregates them
-        (``wrap_optimizer(aggregate=...)``; `create` sets it from ``tx``).
+      per_replica_grads: whether ``tx`` aggregates each replica's own gradients
+        (``wrap_optimizer(aggregate=...)``; `create` sets it from ``tx``): then
+        `apply_gradients` makes its sum ahead of the non-finite guard. (Under
+        `Replicator.run`, `value_and_grad` keeps each replica's own gradients
+        beside their sums either way: each parameter's is summed once.)
     """
 
     step: jax.Array
@@ -112,9 +114,10 @@ class TrainState:
         The pieces (`replicator.transforms`, `replicator.zero`): the loss scaled
         and the gradients unscaled by ``loss_scale``; ``grad_accum_steps``
         microbatches, their losses, gradients and ``aux`` summed, their new model
-        states averaged; under `Replicator.run`, sharded parameters' gradients
-        left for the optimizer to reduce-scatter (with ``per_replica_grads``, every
-        gradient's own part kept for its aggregator). Pass them to `apply_gradients`.
+        states averaged; under `Replicator.run`, each replica's own gradient kept
+        beside the sum (made once per parameter, however often the loss uses it):
+        sharded parameters' for the optimizer to reduce-scatter, every one for an
+        aggregator (``per_replica_grads``). Pass them to `apply_gradients`.
 
         Args:
           loss_fn: ``loss_fn(params, batch) -> loss``, or ``(loss, aux)`` with
@@ -127,7 +130,10 @@ class TrainState:
         Returns:
           ``(value, grads)``, ``value`` shaped as ``loss_fn``'s result (unscaled).
         """
-        k, scale, every = self.grad_accum_steps, self.loss_scale, self.per_replica_grads
+        # Under `Replicator.run` every gradient is summed once, from this replica's own
+        # (`zero.defer_gradient_sum`): a parameter used twice (a tied embedding) would
+        # otherwise be all-reduced once per use by autodiff.
+        k, scale, every = self.grad_accum_steps, self.loss_scale, True
         loss = transforms.scale_loss(_split_loss(loss_fn, self.model_state, has_aux), scale)
         grad_fn = transforms.accumulate_gradients(jax.grad(loss, has_aux=True), k)
         if zero.defers_gradient_sum(self.params, every) or (k > 1 and get_replica_context()):

@@ -274,3 +274,28 @@ def test_an_aggregator_that_does_not_sum_is_an_error():
     with pytest.raises(ValueError, match="summed across the replicas"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train("run", MESHES["run"], 1, lambda: optax.sgd(0.5), batches, aggregate=lambda g, s: g)
+
+
+def test_a_parameter_used_twice_is_all_reduced_once():
+    """A tied weight (an LM's embedding, used to embed and to read out): `rp.TrainState`
+    sums each replica's own gradient once, where autodiff alone would all-reduce it
+    once per use."""
+    repl = rp.Replicator(mesh={"data": 8})
+    params = {"tied": jnp.ones((64, 64))}
+    tx = repl.wrap_optimizer(optax.sgd(0.1))
+    state = repl.compile(lambda: rp.TrainState.create(params, tx, jax.random.key(0)))()
+
+    def loss(p, batch):  # the weight used twice
+        hidden = jnp.tanh(batch["x"] @ p["tied"])
+        return rp.compute_average_loss(jnp.sum((hidden @ p["tied"].T) ** 2, axis=-1))
+
+    def step(state, batch):
+        value, grads = state.value_and_grad(loss, batch)
+        return state.apply_gradients(grads, tx), value
+
+    batch = jax.device_put({"x": np.ones((16, 64), np.float32)}, repl.batch_sharding)
+    lowered = repl.lower(step, state, batch)
+    traffic = hlo.traffic(lowered.as_text(dialect="hlo"), repl.mesh, "data")
+    gradient = 64 * 64 * 4
+    ring = 2 * gradient * 7 // 8  # one all-reduce of the gradient over 8 devices
+    assert ring <= traffic["every_step"] + traffic["in_branches"] < 2 * ring, traffic
