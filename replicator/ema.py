@@ -47,8 +47,8 @@ def track(decay: float) -> optax.GradientTransformation:
     if not 0.0 < decay < 1.0:
         raise ValueError(f"rp.ema.track: decay must be in (0, 1), got {decay}")
 
-    def init_fn(params):
-        return EmaState(jax.tree.map(lambda p: jnp.asarray(p, _wide(p.dtype)), params))
+    def init_fn(params):  # copies: a donated step must not find one buffer twice
+        return EmaState(jax.tree.map(lambda p: jnp.array(p, _wide(p.dtype), copy=True), params))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -98,6 +98,28 @@ def with_ema_params(state: PyTree) -> PyTree:
 
     is_state = lambda x: isinstance(x, TrainState)
     return jax.tree.map(swap, state, is_leaf=is_state)
+
+
+def restart(state: PyTree) -> PyTree:
+    """``state`` with every EMA its `rp.TrainState`s keep set to their parameters, e.g.
+    after loading parameters from elsewhere (fine-tuning), so that the average starts
+    from them rather than from the initialisation it was created from."""
+    from replicator.state import TrainState
+
+    def from_params(x):
+        if not isinstance(x, TrainState) or ema_params(x.opt_state) is None:
+            return x
+
+        def reset(node):
+            if not _is_state(node):
+                return node
+            # (Copies: a donated step must not find one buffer twice.)
+            ema = jax.tree.map(lambda e, p: jnp.array(p, e.dtype, copy=True), node.ema, x.params)
+            return EmaState(ema)
+
+        return x.replace(opt_state=jax.tree.map(reset, x.opt_state, is_leaf=_is_state))
+
+    return jax.tree.map(from_params, state, is_leaf=lambda x: isinstance(x, TrainState))
 
 
 def _cast_like(e: Any, p: Any) -> Any:

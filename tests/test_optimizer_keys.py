@@ -19,6 +19,7 @@ from tests.test_cli import SMOKE, assert_one_line_error, run_cli
 from tests.test_train import read_records
 
 LR = 2e-3  # configs/digits_cnn.py's
+ROOT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "digits_cnn.py")
 
 
 # ---- The chain, as optax pieces.
@@ -196,13 +197,15 @@ def test_init_from_with_freeze_reproduces_the_source_eval(tmp_path, digits_data_
     done = train_cli(
         tmp_path / "tuned", digits_data_dir,
         f"--config.init_from={ema_run}:120", "--config.freeze=.*",
-        "--config.num_train_steps=2", "--config.eval_every_steps=1",
+        "--config.num_train_steps=2", "--config.eval_every_steps=1", "--config.ema_decay=0.5",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"init_from {ema_run}/checkpoints step 120: loaded " in done.stderr
     source = [r for r in read_records(ema_run) if r.get("split") == "test"][-1]
     first = [r for r in read_records(tmp_path / "tuned") if r.get("split") == "test"][0]
     assert (first["accuracy"], first["loss"]) == (source["accuracy"], source["loss"])
+    # The new run's EMA starts from the loaded parameters: nothing trains, so it is them.
+    assert (first["ema_accuracy"], first["ema_loss"]) == (source["accuracy"], source["loss"])
     log = (tmp_path / "tuned" / "log.txt").read_text()
     assert "params/Dense_0/kernel" in log and "in the checkpoint, unused" in log
 
@@ -307,6 +310,8 @@ def test_init_from_rules_rename_checkpoint_paths_and_the_plan_says_what_happened
     assert plan.sources == {"params/backbone/w": "params/enc/w"}
     assert plan.fresh == ["params/new/b"] and plan.unused == ["params/head/w"]
     assert "loaded 1 arrays, 1 initialised fresh, 1 in the checkpoint unused" in plan.report()
+    with pytest.raises(rp.UserError, match="'\\^params/dec/' matches no path"):
+        _match("d", 1, saved, wanted, [("^params/dec/", "params/backbone/")])
     with pytest.raises(rp.UserError, match="rename both"):
         _match("d", 1, saved, wanted, [("^params/[a-z]+/", "params/x/")])
 
@@ -357,3 +362,38 @@ def test_every_experiment_takes_the_optimizer_keys_on_both_paths(
     ema_metrics = [k for k in result if k.startswith("ema_")]
     assert ema_metrics and all(np.isfinite(result[k]) for k in ema_metrics)
     assert train_params(run.abstract_state)
+
+
+def test_a_resumed_fine_tune_needs_no_source(tmp_path, digits_data_dir, ema_run):
+    """A fine-tune resumes from its own checkpoints: its source may be gone by then
+    (pruned, moved); init_from is read only by a run that starts afresh."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(ema_run / "checkpoints", source / "checkpoints")
+    flags = [f"--config.init_from={source}", "--config.checkpoint_every_steps=2"]
+    done = train_cli(tmp_path / "tuned", digits_data_dir, *flags, "--config.num_train_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.rmtree(source)
+    done = train_cli(tmp_path / "tuned", digits_data_dir, *flags, "--config.num_train_steps=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Resumed from step 2" in done.stderr
+
+
+def test_a_key_a_config_sets_can_be_set_back_to_none(tmp_path, digits_data_dir):
+    config = tmp_path / "with_ema.py"
+    config.write_text(
+        "from replicator.trainer.config import config_beside\n"
+        "def get_config(mode=''):\n"
+        f"    c = config_beside({str(ROOT_CONFIG)!r}, 'digits_cnn.py', 'smoke')\n"
+        "    c.ema_decay, c.grad_clip_norm = 0.9, 1.0\n"
+        "    return c\n"
+    )
+    done = run_cli(
+        "train", "--config", str(config), "--workdir", str(tmp_path / "run"), "--quiet",
+        f"--config.data_dir={digits_data_dir}", "--config.num_train_steps=1",
+        "--config.ema_decay=None", "--config.grad_clip_norm=None",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["ema_decay"] is None and saved["grad_clip_norm"] is None

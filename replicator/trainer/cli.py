@@ -106,6 +106,7 @@ def run(argv: Sequence[str] | None = None) -> None:
             raise UsageError(
                 f"unknown command {command!r}{hint}; `python -m replicator --help` lists them"
             )
+        argv = config_files.take_nulled(argv)  # --config.KEY=None, set after parsing
         own_args = argv[2 : argv.index("--")] if "--" in argv else argv[2:]
         if command == "eval":
             config_files.use_the_runs_config(argv)

@@ -162,7 +162,6 @@ MINIMUM = {
     "fsdp_min_size": 0,
     "warmup_steps": 0,
     "weight_decay": 0.0,
-    "lr_end_fraction": 0.0,
 }
 
 CHOICES = {
@@ -371,6 +370,12 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
             f"'init_from_rules'={rules!r} must be (regex, replacement) pairs, e.g. "
             "(('^params/encoder/', 'params/'),)"
         )
+    else:
+        for regex, replacement in rules or ():
+            try:
+                re.compile(regex).sub(replacement, "")
+            except (re.error, IndexError) as e:
+                problems.append(f"'init_from_rules' has {(regex, replacement)!r}: {e}")
     unknown = sorted(set(values["writers"]) - {"tensorboard", "wandb"})
     if unknown:
         problems.append(f"'writers' has {unknown}; the writers are 'tensorboard' and 'wandb'")

@@ -136,10 +136,40 @@ def check_importable(config: ml_collections.ConfigDict, workdir: str) -> None:
         )
 
 
+_NULLED: list[str] = []  # keys given as --config.KEY=None (see `take_nulled`)
+
+
+def take_nulled(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--config.KEY=None`` for keys that may be None, which
+    `config_for` then sets to None: ml_collections cannot parse None for a key of
+    another type (``ema_decay`` is a float, or None for no EMA).
+
+    >>> take_nulled(["train", "--config.ema_decay=None", "--config.seed=1"]), _NULLED
+    (['train', '--config.seed=1'], ['ema_decay'])
+    >>> _ = take_nulled([])  # (and none again)
+    """
+    _NULLED.clear()
+    kept = []
+    for arg in argv:
+        key, _, value = arg.removeprefix("--config.").partition("=")
+        if arg.startswith("--config.") and value == "None" and _may_be_none(key):
+            _NULLED.append(key)
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _may_be_none(key: str) -> bool:
+    schema = config_lib.SCHEMA.get(key)
+    return schema is not None and None in schema[0]
+
+
 def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
     """train: the config file with its overrides. eval: the run's saved config with the
     command line's overrides on top (the file's only when the run saved none)."""
     config, note = _resolve(command, workdir)
+    for key in _NULLED:
+        config[key] = None
     check_importable(config, workdir)  # before the note: a mistake stays one line
     if note:
         log.info("%s", note)
@@ -208,7 +238,10 @@ def saved_path(workdir: str) -> str:
 def overrides_text() -> str:
     """`` with --config.a=1 --config.b=2``: the command line's overrides ('' if none)."""
     overrides = config_flags.get_override_values(FLAGS["config"])
-    shown = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+    shown = " ".join(
+        [f"--config.{k}={v}" for k, v in overrides.items()]
+        + [f"--config.{k}=None" for k in _NULLED]
+    )
     return f" with {shown}" if shown else ""
 
 

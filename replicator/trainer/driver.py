@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from replicator import storage
+from replicator import ema, storage
 from replicator.checkpoint import CheckpointMismatchError, Checkpoints
 from replicator.trainer import actions as act
 from replicator.trainer import config as config_lib
@@ -217,16 +217,23 @@ def _start(run: Run, workdir: str, train_iter, strict: bool, start_from):
 
 
 def _init_from(run: Run, workdir: str):
-    """``config.init_from``'s plan and, unless the workdir has checkpoints to resume
-    from, its arrays: (plan, arrays or None), or None without ``init_from``."""
+    """``config.init_from``'s plan and arrays, as a function that returns them: read and
+    checked now, before anything is written, unless the workdir has checkpoints to
+    resume from (then only if it starts afresh after all: a resumed run needs no
+    source, which may be gone by then). None without ``init_from``."""
     config = run.config
     if config.init_from is None:
         return None
-    the_plan = init_from.plan(config.init_from, config.init_from_rules, run.abstract_state,
-                              run.repl)  # fmt: skip
+
+    def plan_and_read():
+        the_plan = init_from.plan(config.init_from, config.init_from_rules,
+                                  run.abstract_state, run.repl)  # fmt: skip
+        return the_plan, init_from.read(the_plan, run.abstract_state, run.repl)
+
     if storage.exists(storage.join(workdir, "checkpoints")):
-        return the_plan, None  # resumes, most likely: read only if it starts afresh
-    return the_plan, init_from.read(the_plan, run.abstract_state, run.repl)
+        return plan_and_read
+    loaded = plan_and_read()
+    return lambda: loaded
 
 
 def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: bool, start_from):
@@ -235,10 +242,9 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
     if checkpoints.latest_step() is None:
         state = run.init_state()
         if start_from is not None:
-            the_plan, arrays = start_from
-            if arrays is None:
-                arrays = init_from.read(the_plan, run.abstract_state, run.repl)
-            state = init_from.place(the_plan, arrays, state)
+            the_plan, arrays = start_from()
+            # The EMA starts from the loaded parameters, not from the initialisation.
+            state = ema.restart(init_from.place(the_plan, arrays, state))
             log.info("%s", the_plan.report())
             log.info("%s", the_plan.details(), extra={"log_only": True})
         return state, 0

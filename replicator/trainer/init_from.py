@@ -130,8 +130,16 @@ def plan(spec: str, rules: Any, abstract_state: Any, repl) -> Plan:
 
 
 def _match(directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rules) -> Plan:
+    names = [n for n in saved if _is_model(n)]
+    for regex, _ in rules:
+        if not any(re.search(regex, name) for name in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(
+                f"config.init_from_rules: {regex!r} matches no path of {directory} step "
+                f"{step}; its paths: {shown}"
+            )
     renamed: dict[str, str] = {}
-    for name in (n for n in saved if _is_model(n)):
+    for name in names:
         new = name
         for regex, replacement in rules:
             new = re.sub(regex, replacement, new)

@@ -202,8 +202,11 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
         args.update(weight_decay=spec.weight_decay, mask=mask)
     try:
         tx = alias(learning_rate=schedule, **args)
-    except TypeError as e:  # (validated already; a wrong value type, say)
-        raise ConfigError(f"config.optimizer_args for optax.{spec.name}: {e}") from None
+    except TypeError as e:  # an optax function that is no alias, or a wrong value type
+        raise ConfigError(
+            f"optax.{spec.name}(learning_rate=..., **config.optimizer_args) cannot be built "
+            f"({e}); config.optimizer names an optax alias, e.g. 'adamw'"
+        ) from None
     if spec.weight_decay and not own_decay:
         tx = optax.chain(tx, decayed_weights(spec.weight_decay, schedule, mask))
     if spec.freeze is not None:

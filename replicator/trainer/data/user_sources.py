@@ -215,13 +215,22 @@ def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _a(noun: str) -> str:
+    """``noun`` with its article.
+
+    >>> _a("int"), _a("list")
+    ('an int', 'a list')
+    """
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _check_protocol(source: Any, name: str, split: str) -> Any:
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(type(source), m)]
     if missing or isinstance(source, (str, bytes, dict)):
         lacks = f"has no {' or '.join(missing)}" if missing else "is not a sequence of examples"
         raise ConfigError(
-            f"dataset {name!r} split {split!r}: the function returned a "
-            f"{type(source).__name__}, which {lacks}; return a random-access source: "
+            f"dataset {name!r} split {split!r}: the function returned {_a(type(source).__name__)}, "
+            f"which {lacks}; return a random-access source: "
             "len(source) and source[i] -> dict of numpy arrays (a list of such dicts is one)"
         )
     return source
