@@ -400,8 +400,8 @@ class _Problems:
         "rank": "A path rule has more entries than the parameter has dimensions",
         "unused": "Sharding rules match nothing (renamed parameters?)",
         "divisible": "Dimensions do not divide over their mesh axes",
-        "replicated": "Large parameters are left replicated on a sharded mesh; add a rule, or "
-        "raise min_size",
+        "replicated": "Parameters of min_size or more elements are left replicated on a "
+        "sharded mesh (no dimension splits over fsdp); add a rule, or raise min_size",
     }
 
     def __init__(self):
