@@ -234,6 +234,8 @@ BAD = [
     (["--config.optimizer=adam", "--config.optimizer_args={'momentum': 0.9}"],
      ["'optimizer_args' has ['momentum']", "optax.adam takes"]),
     (["--config.init_from=/nonexistent/run"], ["config.init_from='/nonexistent/run'"]),
+    (["--config.weight_decay_mask=kernel"], ["'weight_decay' is 0: nothing is decayed"]),
+
 ]  # fmt: skip
 
 

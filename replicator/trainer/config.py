@@ -355,6 +355,8 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
         problems.append(f"'grad_clip_norm' must be > 0 (or None), got {values['grad_clip_norm']}")
     if values["ema_decay"] is not None and not 0.0 < values["ema_decay"] < 1.0:
         problems.append(f"'ema_decay' must be in (0, 1) (or None), got {values['ema_decay']}")
+    if values["weight_decay_mask"] is not None and not values["weight_decay"]:
+        problems.append("'weight_decay_mask' is set but 'weight_decay' is 0: nothing is decayed")
     for key in ("weight_decay_mask", "freeze"):
         if values[key] is not None:
             try:

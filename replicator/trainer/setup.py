@@ -150,7 +150,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
     abstract = jax.eval_shape(init)
-    _check_parameter_keys(config, abstract)
+    _check_optimizer_keys(config, abstract)
     if sync is None:
         with warnings.catch_warnings():
             if not training:
@@ -178,9 +178,10 @@ def train_params(state: Any) -> list[Any]:
     return [x.params for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
 
 
-def _check_parameter_keys(config, abstract: Any) -> None:
-    """The keys that name parameters by regex must name some: a ``freeze`` or
-    ``weight_decay_mask`` that matches nothing is a typo, not a choice."""
+def _check_optimizer_keys(config, abstract: Any) -> None:
+    """The optimizer keys that need the state to check: a ``freeze`` or
+    ``weight_decay_mask`` that matches nothing is a typo, not a choice; an EMA needs
+    parameters (and no DiLoCo); a bf16 sum needs the per-replica path."""
     names = [name for params in train_params(abstract) for name in optimizer.path_names(params)]
     for key in ("freeze", "weight_decay_mask"):
         regex = config[key]
@@ -188,6 +189,13 @@ def _check_parameter_keys(config, abstract: Any) -> None:
             continue
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
         raise ConfigError(f"config.{key}={regex!r} matches no parameter path; the paths: {shown}")
+    if config.grad_reduce_dtype is not None and config.step_path == "compile":
+        log.warning(
+            "config.grad_reduce_dtype=%r changes nothing under step_path='compile' (XLA sums "
+            "the gradients in the backward pass, in their dtype); step_path='run' sums them "
+            "in it",
+            config.grad_reduce_dtype,
+        )
     if config.ema_decay is not None and config.diloco is not None:
         raise ConfigError(
             "config.ema_decay with config.diloco: the groups' parameters part between "
