@@ -23,7 +23,7 @@ from replicator.trainer import init_from
 from replicator.trainer.config import config_differences
 from replicator.trainer.evaluator import eval_views, evaluate_views
 from replicator.trainer.instruments import ProgressBar, Stopwatch, summarize_run
-from replicator.trainer.optimizer import OptimizerSpec, describe
+from replicator.trainer.optimizer import describe
 from replicator.trainer.preemption import PreemptionWatcher
 from replicator.trainer.setup import Run, setup, train_params
 from replicator.trainer.writers import MetricWriter, check_writers
@@ -91,8 +91,7 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
                        start)  # fmt: skip
     log.info("%s on %s", config.experiment, repl)
     params = train_params(run.abstract_state)
-    log.info("%s", describe(OptimizerSpec.from_config(config), params[0] if len(params) == 1
-                            else params))  # fmt: skip
+    log.info("%s", describe(run.optimizer_spec, params[0] if len(params) == 1 else params))
 
     # ---- Train: dispatch a step, then let each periodic action take its turn.
     step, end, completed = start, None, False
@@ -172,7 +171,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
     log_train = act.LogTrain(
         writer, progress, run.experiment.summarize,
         every_steps=config.log_every_steps, per_step=per_step, unit=unit, start=start,
-        wait=wait, schedule=OptimizerSpec.from_config(config).schedule(),
+        wait=wait, schedule=run.optimizer_spec.schedule(),
     )  # fmt: skip
     guard = act.WatchNonfinite(
         workdir, config.nonfinite, run.repl.precision.loss_scaling, run.experiment.summarize,

@@ -156,16 +156,15 @@ def _picked(abstract: Any, pick) -> tuple[Any, Any]:
     it does not use an Orbax placeholder (neither read nor allocated), and how to
     build ``pick(state)`` from what that restores."""
     leaves, treedef = jax.tree.flatten(abstract)
-    used = set(jax.tree.leaves(pick(jax.tree.unflatten(treedef, range(len(leaves))))))
+    picked = pick(jax.tree.unflatten(treedef, range(len(leaves))))  # leaf indices
+    used = set(jax.tree.leaves(picked))
     like = jax.tree.unflatten(
         treedef, [x if i in used else ocp.PLACEHOLDER for i, x in enumerate(leaves)]
     )
 
     def view(restored: Any) -> Any:
         values = treedef.flatten_up_to(restored)
-        return jax.tree.map(
-            lambda i: values[i], pick(jax.tree.unflatten(treedef, range(len(leaves))))
-        )
+        return jax.tree.map(lambda i: values[i], picked)
 
     return like, view
 

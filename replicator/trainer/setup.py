@@ -101,6 +101,11 @@ class Run:
             process_count=jax.process_count(),
         )
 
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The config's optimizer keys (the experiment's optimizer is built from them)."""
+        return OptimizerSpec.from_config(self.config)
+
     def per_step_units(self) -> tuple[int, str]:
         """How many units (examples, tokens) a train step consumes, and their name."""
         unit, per_example = self.experiment.units
