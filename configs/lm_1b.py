@@ -3,20 +3,29 @@
 Trains a 20-layer, 2048-wide, 16-head decoder (head width 128, MLP 8192,
 learned positions, tied embeddings, context 2048; 1.01B parameters) in bf16
 from float32 parameters with AdamW at 3e-4 (betas 0.9, 0.95; weight decay 0.1;
-gradients clipped at norm 1; 200 warmup steps, cosine decay to 10%), a global
-batch of 8 windows (16,384 tokens). The mesh shards parameters and optimizer
-state over every device (``fsdp=-1``): on one H100 that is one device holding
-all 16 GB of state, on a TPU slice each chip holds its share.
-Attention runs through cuDNN's fused kernel on GPUs. Data: every ``.py`` file
-of the interpreter's standard library (``python_stdlib/all_2048``: about
-14,500 train windows of 2,048 bytes, built offline in about 5 s on first use);
-2,000 steps are about 1.1 epochs. ``--config.model.remat=True`` trades a third
-more compute for activation memory, for bigger batches.
+gradients clipped at norm 1; 50 warmup steps, cosine decay to 10%), a global
+batch of 64 windows (131,072 tokens: one window per chip on a v5p-128, four on
+a v5e-16). The mesh shards parameters and optimizer state over every device
+(``fsdp=-1``), and the activations' batch with them; the 20 blocks are one
+scanned block over stacked parameters, each recomputed in the backward pass
+(``remat_policy='full'``: only the blocks' inputs are kept). Attention is Pallas
+splash attention on TPU (the causal half skipped, no scores in HBM), cuDNN's
+fused kernel on GPUs. Data: every ``.py`` file of the interpreter's standard
+library (``python_stdlib/all_2048``: about 14,500 train windows of 2,048 bytes,
+built offline in about 5 s on first use); 500 steps are about 2.2 epochs.
 
-Expected: not measured end to end yet (no accelerator was available when it
-was written). Issue 16 measured a 0.9B model of this width at 97 ms per step
-of 4x2048 on one H100, so 2,000 steps of 8x2048 should take about 6-7 minutes
-there.
+Compile it for your slice first (the per-chip memory, roofline and collectives,
+on any machine with the ``tpu`` extra):
+
+    python -m replicator compile --config configs/lm_1b.py --topology v5e-16
+
+As shipped it needs 3.5 GB of a v5e chip's 15.75 (compiled with libtpu from a
+CPU host, jax 0.10.2; ``docs/benchmarks.md``, "TPU programs"). Where memory
+allows, ``--config.remat_policy=minimal`` (8.8 GB on a v5e-16) or ``None`` trade
+memory for the recomputation's third more compute.
+
+Expected: not measured end to end (no accelerator was available when it was
+written).
 
     python -m replicator train --config configs/lm_1b.py --workdir runs/lm_1b
 
@@ -43,20 +52,20 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         positions="learned",  # or "rotary"
         tie_embeddings=True,
         dropout_rate=0.0,
-        attention="auto",  # cuDNN on GPUs in bf16/fp16, XLA elsewhere
-        remat=False,
+        attention="auto",  # splash on TPU, cuDNN on GPUs in bf16/fp16, XLA elsewhere
+        scan_layers=True,  # one scanned block over stacked parameters (False: block_<i>)
         loss_chunk=0,  # e.g. 128: logits 128 positions at a time (large vocabularies); 0: all
     )
     c.dataset = "python_stdlib/all_2048"
-    c.batch_size = 8  # global, in windows of 2048 tokens
-    c.eval_batch_size = 8
-    c.num_train_steps = 2000
+    c.batch_size = 64  # global, in windows of 2048 tokens
+    c.eval_batch_size = 64
+    c.num_train_steps = 500
     c.learning_rate = 3e-4
     c.optimizer = "adamw"
     c.optimizer_args = dict(b1=0.9, b2=0.95)
     c.weight_decay = 0.1  # decoupled, on the matrices only (not biases, norms)
     c.lr_schedule = "cosine"
-    c.warmup_steps = 200  # linear warmup, then cosine decay to 10% at num_train_steps
+    c.warmup_steps = 50  # linear warmup, then cosine decay to 10% at num_train_steps
     c.lr_end_fraction = 0.1
     c.grad_clip_norm = 1.0
     c.seed = 0
@@ -65,9 +74,10 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     # path gathers each parameter whole for the step: 3.6 GB of float32 here).
     c.step_path = "compile"
     c.precision = "bf16"
+    c.remat_policy = "full"  # keep each block's input only (replicator.remat)
     c.log_every_steps = 50
-    c.eval_every_steps = 500
-    c.checkpoint_every_steps = 500
+    c.eval_every_steps = 250
+    c.checkpoint_every_steps = 250
     c.best_metric = "loss"  # eval loss in nats per token
     c.best_mode = "min"
 

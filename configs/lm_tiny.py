@@ -42,8 +42,8 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         positions="learned",  # or "rotary"
         tie_embeddings=True,
         dropout_rate=0.0,
-        attention="auto",  # cuDNN on GPUs in bf16/fp16, XLA elsewhere
-        remat=False,
+        attention="auto",  # splash on TPU, cuDNN on GPUs in bf16/fp16, XLA elsewhere
+        scan_layers=True,  # one scanned block over stacked parameters (False: block_<i>)
         loss_chunk=0,  # e.g. 128: logits 128 positions at a time (large vocabularies); 0: all
     )
     c.dataset = "python_stdlib/modules_128"

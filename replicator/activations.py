@@ -28,8 +28,9 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
     ("activation_mlp", "tensor"),
 )
 """MaxText's placement of activations named with `constrain`: the batch over ``data``
-and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``. Add them to
-the rules, e.g. ``rules=(*DEFAULT_RULES, *ACTIVATION_RULES)``."""
+and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``. They apply
+whenever the parameters are sharded, unless the rules name the same activation axis
+(``("activation_batch", None)`` leaves the batch to the compiler)."""
 
 
 _ACTIVATION_RULES: contextvars.ContextVar[tuple[Rule, ...] | None] = contextvars.ContextVar(
@@ -39,9 +40,13 @@ _ACTIVATION_RULES: contextvars.ContextVar[tuple[Rule, ...] | None] = contextvars
 
 @contextlib.contextmanager
 def activation_rules(rules: Sequence[Rule] | None):
-    """Makes ``rules`` (None: `DEFAULT_RULES`) the ones `constrain` reads; `compile`
-    sets its Replicator's while it traces a step."""
-    token = _ACTIVATION_RULES.set(tuple(DEFAULT_RULES if rules is None else rules))
+    """Makes ``rules`` (None: `DEFAULT_RULES`), with `ACTIVATION_RULES` for the
+    activation axes they do not name, the ones `constrain` reads; `compile` sets its
+    Replicator's while it traces a step."""
+    rules = tuple(DEFAULT_RULES if rules is None else rules)
+    named = {rule[0] for rule in rules}
+    rules += tuple(rule for rule in ACTIVATION_RULES if rule[0] not in named)
+    token = _ACTIVATION_RULES.set(rules)
     try:
         yield
     finally:
@@ -83,6 +88,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if not any(parts):  # no rule for these names: the compiler places it, as without
         return x
     return jax.lax.with_sharding_constraint(x, P(*parts))
+
+
+def current_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the rules being traced with give activation axis ``name``
+    (`ACTIVATION_RULES` outside any): e.g. ``("data", "fsdp")`` for the batch.
+
+    >>> current_axes("activation_batch")
+    ('data', 'fsdp')
+    """
+    rules = _ACTIVATION_RULES.get()
+    return _rule_axes(name, ACTIVATION_RULES if rules is None else rules)
 
 
 def _rule_axes(name: str | None, rules: Sequence[Rule]) -> tuple[str, ...]:

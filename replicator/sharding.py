@@ -65,8 +65,8 @@ Rule = tuple[str, Any]
 DEFAULT_RULES: tuple[Rule, ...] = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"))
 """FSDP over the embedding width and Megatron-style tensor parallelism (the MLP's
 hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
-stay whole. Activations are left to the compiler:
-`replicator.activations.ACTIVATION_RULES` opts in."""
+stay whole. Activations named with `replicator.activations.constrain` follow
+`replicator.activations.ACTIVATION_RULES` (the batch over ``data`` and ``fsdp``)."""
 
 MIN_SHARD_SIZE = 2**14
 """Parameters with fewer elements (64 KiB in float32) stay replicated."""

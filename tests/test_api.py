@@ -68,6 +68,8 @@ def test_replicator_methods_of_the_contract():
         "replicator.context",
         "replicator.replicator",
         "replicator.activations",
+        "replicator.attention",
+        "replicator.remat",
         "replicator.transforms",
         "replicator.optim",
         "replicator.ema",

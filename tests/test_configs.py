@@ -127,6 +127,7 @@ OVERRIDES = {
     "fsdp_min_size": "0",
     "precision": "fp16",
     "matmul_precision": "highest",
+    "remat_policy": "full",
     "nonfinite": "skip",
     "step_path": "compile",
     "diloco": "{'inner_steps': 5}",

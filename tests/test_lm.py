@@ -181,7 +181,7 @@ def test_logits_never_see_the_future(positions):
 
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_every_parameter_names_its_logical_axes(tie_embeddings):
-    model = Transformer(**TINY, tie_embeddings=tie_embeddings)
+    model = Transformer(**TINY, tie_embeddings=tie_embeddings, scan_layers=False)
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     boxed = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     assert boxed and all(isinstance(x, nn.LogicallyPartitioned) for x in boxed)
@@ -196,6 +196,13 @@ def test_every_parameter_names_its_logical_axes(tie_embeddings):
     attention = specs["block_0"]["attention"]
     assert attention["out_kernel"] == jax.sharding.PartitionSpec("heads", "kv", "embed")
     assert specs["block_0"]["mlp"]["fc"]["kernel"] == jax.sharding.PartitionSpec("embed", "mlp")
+    # Scanned (the default): the same names behind the stack's own axis, "layers".
+    stacked = Transformer(**TINY, tie_embeddings=tie_embeddings)
+    stacked = jax.eval_shape(stacked.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    stacked = nn.get_partition_spec(stacked)["params"]["blocks"]
+    assert stacked["attention"]["out_kernel"] == jax.sharding.PartitionSpec(
+        "layers", "heads", "kv", "embed"
+    )
 
 
 @pytest.mark.parametrize("tie_embeddings", [True, False])
@@ -289,21 +296,30 @@ def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, tr
     state, losses = _train(mesh_2d, compiled, mesh_2d.replicate(trained["initial"]), batches[:3])
 
     np.testing.assert_allclose(trained["losses"][:3], losses, rtol=1e-5)
-    _assert_close(trained["params"][2], jax.device_get(state.params))
+    # compile places the activations by the rules (the batch over data and fsdp): other
+    # reduction orders, which Adam's first steps magnify in near-zero parameters.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        trained["params"][2],
+        jax.device_get(state.params),
+    )
     losses = trained["losses"]
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)
     assert np.mean(losses[-3:]) < losses[0] - 1.5, losses
 
 
 def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batches, trained):
-    """The rules table places the model's activations too (MaxText's logical axes): on
-    the 2x2x2 cube with the batch over data and fsdp, compile trains like `run`."""
-    rules = (*rp.sharding.DEFAULT_RULES, *activations.ACTIVATION_RULES)
-    cube = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=rules)
+    """The rules table places the model's activations too (MaxText's logical axes), by
+    default: on the 2x2x2 cube with the batch over data and fsdp, compile trains like
+    `run`; rules naming the activation axes replace the defaults."""
+    cube = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2})
     experiment = make_experiment(settings(cube))
     compiled = cube.compile(experiment.train_step)
     state = cube.replicate(trained["initial"])
-    plain = rp.Replicator(mesh={"data": 2, "fsdp": 2, "tensor": 2})  # no activation rules
+    unplaced = tuple((name, None) for name, _ in activations.ACTIVATION_RULES)
+    plain = rp.Replicator(  # activations left to the compiler
+        mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=(*rp.sharding.DEFAULT_RULES, *unplaced)
+    )
     constraints = [
         repl.compile(make_experiment(settings(repl)).train_step)
         .lower(state, repl.shard_batch(batches[0]))
@@ -314,9 +330,10 @@ def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batc
     assert constraints[0] >= constraints[1] + 4, constraints  # q, k, v, the MLP, residuals
     state, losses = _train(cube, compiled, state, batches[:3])
     np.testing.assert_allclose(trained["losses"][:3], losses, rtol=1e-5)
-    # Other reduction orders: Adam's first steps magnify them in near-zero parameters.
+    # Other reduction orders: Adam's first steps magnify them in near-zero parameters
+    # (the rare token rows of the embedding: 1.6e-5 of an update of 3e-3).
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
         trained["params"][2],
         jax.device_get(state.params),
     )

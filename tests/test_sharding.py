@@ -135,10 +135,11 @@ def test_lm_params_get_fsdp_by_default():
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     plan = sh.plan_param_shardings(abstract, mesh_of(fsdp=8))
     by_path = {p.path: p for p in plan.placements}
-    assert by_path["params/block_0/attention/qkv_kernel"].spec == P("fsdp")
-    assert by_path["params/block_0/attention/out_kernel"].spec == P(None, None, "fsdp")
-    assert by_path["params/block_0/mlp/fc/kernel"].spec == P("fsdp")
-    assert by_path["params/block_0/mlp/proj/kernel"].spec == P(None, "fsdp")
+    # The blocks are scanned: one stack, its leading "layers" axis never split.
+    assert by_path["params/blocks/attention/qkv_kernel"].spec == P(None, "fsdp")
+    assert by_path["params/blocks/attention/out_kernel"].spec == P(None, None, None, "fsdp")
+    assert by_path["params/blocks/mlp/fc/kernel"].spec == P(None, "fsdp")
+    assert by_path["params/blocks/mlp/proj/kernel"].spec == P(None, None, "fsdp")
     assert by_path["params/token_embedding/embedding"].spec == P(None, "fsdp")
     for p in plan.placements:
         big = np.prod(p.shape) >= sh.MIN_SHARD_SIZE
@@ -148,8 +149,8 @@ def test_lm_params_get_fsdp_by_default():
         p.path: p.spec
         for p in sh.plan_param_shardings(abstract, mesh_of(data=2, fsdp=2, tensor=2)).placements
     }
-    assert cube["params/block_0/attention/qkv_kernel"] == P("fsdp", None, "tensor")
-    assert cube["params/block_0/mlp/proj/kernel"] == P("tensor", "fsdp")
+    assert cube["params/blocks/attention/qkv_kernel"] == P(None, "fsdp", None, "tensor")
+    assert cube["params/blocks/mlp/proj/kernel"] == P(None, "tensor", "fsdp")
 
 
 def test_path_rules_and_automatic_fsdp_shard_unannotated_params():
@@ -332,7 +333,9 @@ def test_compiled_step_on_the_cube_equals_one_device(cube, tx, rules):
 def test_report_counts_bytes_per_device():
     from experiments.lm.model import Transformer
 
-    model = Transformer(vocab_size=256, num_layers=2, num_heads=4, embed_dim=128, max_len=128)
+    model = Transformer(
+        vocab_size=256, num_layers=2, num_heads=4, embed_dim=128, max_len=128, scan_layers=False
+    )
     tx = optax.adam(1e-3)
 
     def init(key):

@@ -41,6 +41,11 @@ def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def make_experiment(settings: Settings) -> Experiment:
     """The classification experiment, from ``config.model`` (`classifier`'s arguments)."""
+    if settings.remat_policy is not None:
+        raise ConfigError(
+            f"config.remat_policy={settings.remat_policy!r}: the classifiers name no tensors "
+            "to keep; remat_policy applies to the LM (experiments.lm)"
+        )
     return classifier(settings, **settings.model)
 
 

@@ -287,6 +287,11 @@ def make_experiment(settings: Settings) -> Experiment:
     Raises:
       ValueError: ``config.model`` has a key that `GANConfig` does not.
     """
+    if settings.remat_policy is not None:
+        raise ConfigError(
+            f"config.remat_policy={settings.remat_policy!r}: the GAN names no tensors to "
+            "keep; remat_policy applies to the LM (experiments.lm)"
+        )
     config = GANConfig.from_model(settings.model)
     repl = settings.repl
     generator = Generator(features=tuple(config.generator_features), axis_name=repl.axis_name)

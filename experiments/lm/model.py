@@ -2,8 +2,11 @@
 
 Token embedding plus learned (or rotary) positions, pre-LayerNorm blocks of
 causal self-attention and a GELU MLP, a final LayerNorm, and output logits
-through the tied token embedding (or a separate head). Attention goes through
-`jax.nn.dot_product_attention`, so GPUs use cuDNN's fused kernel.
+through the tied token embedding (or a separate head). The blocks are one
+``nn.scan`` over parameters stacked on a ``layers`` axis (MaxText's
+``scan_layers``), rematerialised by a named policy (`replicator.remat`), and
+attention goes through each backend's fused kernel
+(`replicator.attention.causal_attention`: splash on TPU, cuDNN on GPU).
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`):
 ``vocab`` and ``embed`` for embeddings, ``heads`` and ``kv`` (the head width)
@@ -24,7 +27,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.linen.dtypes import promote_dtype
+from jax.ad_checkpoint import checkpoint_name
 
+from replicator import attention as attention_lib
+from replicator import remat as remat_lib
 from replicator.activations import constrain
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
@@ -33,7 +39,7 @@ VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
 ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = attention_lib.IMPLEMENTATIONS
 
 
 def _normal(stddev: float, names: tuple[str | None, ...]) -> Any:
@@ -78,27 +84,6 @@ def apply_rotary(x_BxTxHxD: jax.Array, base: float = 10_000.0) -> jax.Array:
     return rotated.astype(x_BxTxHxD.dtype)
 
 
-def attention_implementation(requested: str, dtype: jnp.dtype, head_dim: int) -> str | None:
-    """The ``implementation`` for `jax.nn.dot_product_attention`.
-
-    ``"auto"`` picks cuDNN's fused kernel where it applies (a GPU backend, 16-bit
-    inputs, a head width that is a multiple of 8 up to 128) and XLA elsewhere:
-    JAX 0.10's own default (``None``) is always XLA.
-
-    >>> attention_implementation("auto", jnp.float32, 64)  # XLA on CPU, or in fp32
-    'xla'
-    """
-    if requested != "auto":
-        return requested
-    fused = (
-        jax.default_backend() == "gpu"
-        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and head_dim % 8 == 0
-        and head_dim <= 128
-    )
-    return "cudnn" if fused else "xla"
-
-
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention: fused q/k/v projection, attention, output projection."""
 
@@ -120,13 +105,12 @@ class SelfAttention(nn.Module):
         if self.use_bias:
             bias = self.param("qkv_bias", _zeros((None, HEADS, KV)), shape[1:])
             qkv_BxTx3xHxD = qkv_BxTx3xHxD + jnp.asarray(bias, qkv_BxTx3xHxD.dtype)
+        qkv_BxTx3xHxD = checkpoint_name(qkv_BxTx3xHxD, "qkv_proj")
         q, k, v = (constrain(qkv_BxTx3xHxD[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
         if self.rotary:
             q, k = apply_rotary(q), apply_rotary(k)
-        implementation = attention_implementation(self.attention, q.dtype, self.head_dim)
-        out_BxTxHxD = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=implementation
-        )
+        out_BxTxHxD = attention_lib.causal_attention(q, k, v, implementation=self.attention)
+        out_BxTxHxD = checkpoint_name(constrain(out_BxTxHxD, ACTIVATION_BxTxHxD), "context")
         out_shape = (self.num_heads, self.head_dim, embed_dim)
         out_kernel = self.param(
             "out_kernel", _normal(self.out_stddev, (HEADS, KV, EMBED)), out_shape
@@ -137,7 +121,7 @@ class SelfAttention(nn.Module):
         if self.use_bias:
             bias = self.param("out_bias", _zeros((EMBED,)), (embed_dim,))
             y_BxTxE = y_BxTxE + jnp.asarray(bias, y_BxTxE.dtype)
-        return y_BxTxE
+        return checkpoint_name(y_BxTxE, "out_proj")
 
 
 class FeedForward(nn.Module):
@@ -159,8 +143,8 @@ class FeedForward(nn.Module):
             bias_init=_zeros((MLP,)),
             name="fc",
         )(x_BxTxE)
-        hidden = constrain(hidden, ACTIVATION_BxTxM)
-        return nn.Dense(
+        hidden = checkpoint_name(constrain(hidden, ACTIVATION_BxTxM), "mlpwi")
+        out = nn.Dense(
             embed_dim,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -168,10 +152,14 @@ class FeedForward(nn.Module):
             bias_init=_zeros((EMBED,)),
             name="proj",
         )(nn.gelu(hidden))
+        return checkpoint_name(out, "mlpwo")
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
+
+    ``scanned``: called by ``nn.scan`` over a stack of blocks, so it takes and
+    returns ``(x, None)`` (the scan's carry and per-layer output)."""
 
     num_heads: int
     head_dim: int
@@ -183,9 +171,10 @@ class Block(nn.Module):
     dropout_rate: float
     deterministic: bool
     dtype: Any
+    scanned: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxE: jax.Array, _: Any = None) -> Any:
         dropout = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)
         h = _layer_norm(self.dtype, "ln_attention")(x_BxTxE)
         h = SelfAttention(
@@ -201,7 +190,8 @@ class Block(nn.Module):
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
         h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
-        return constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
+        x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
+        return (x_BxTxE, None) if self.scanned else x_BxTxE
 
 
 class Head(nn.Module):
@@ -274,10 +264,16 @@ class Transformer(nn.Module):
       use_bias: biases in the attention and MLP projections (GPT-2 has them).
       dropout_rate: dropout on the embeddings and each residual branch while
         training (``train=True`` with a ``"dropout"`` rng).
-      attention: `jax.nn.dot_product_attention`'s implementation, ``"auto"``
-        (cuDNN on GPUs for 16-bit inputs, else XLA), ``"xla"`` or ``"cudnn"``.
-      remat: recompute each block's activations in the backward pass (less
-        memory, about a third more compute).
+      attention: `replicator.attention.causal_attention`'s implementation:
+        ``"auto"`` (Pallas splash attention on TPU, cuDNN on GPUs for 16-bit
+        inputs, else XLA), ``"splash"``, ``"cudnn"`` or ``"xla"``.
+      remat_policy: which of each block's activations the backward pass keeps
+        (`replicator.remat`: MaxText's names, e.g. ``"full"`` keeps only the
+        block's input, ``"minimal"`` the projections); None keeps all of them.
+      scan_layers: the blocks as one ``nn.scan`` over parameters stacked on a
+        leading ``layers`` axis (``params/blocks/...``, ``[num_layers, ...]``):
+        one block's program, compiled once, instead of ``num_layers`` copies
+        (``params/block_<i>/...``, the layout of checkpoints written before).
       loss_chunk: with ``targets`` (the model computes its own loss), make the
         logits this many positions of the sequence at a time, recomputed in the
         backward pass: the ``[batch, time, vocab]`` logits never exist at once
@@ -305,9 +301,32 @@ class Transformer(nn.Module):
     use_bias: bool = True
     dropout_rate: float = 0.0
     attention: str = "auto"
-    remat: bool = False
+    remat_policy: str | None = None
+    scan_layers: bool = True
     loss_chunk: int | None = None
     dtype: Any = None
+
+    def _blocks(self, x_BxTxE: jax.Array, train: bool) -> jax.Array:
+        """The ``num_layers`` blocks, scanned or unrolled, rematerialised by the policy."""
+        block = Block
+        if remat_lib.is_remat(self.remat_policy):
+            policy = remat_lib.checkpoint_policy(self.remat_policy)
+            # Under scan the loop keeps XLA from merging recomputation away (CSE).
+            block = nn.remat(Block, policy=policy, prevent_cse=not self.scan_layers)
+        kwargs = _block_kwargs(self, train)
+        if not self.scan_layers:
+            for i in range(self.num_layers):
+                x_BxTxE = block(**kwargs, name=f"block_{i}")(x_BxTxE)
+            return x_BxTxE
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x_BxTxE, _ = stack(**kwargs, scanned=True, name="blocks")(x_BxTxE, None)
+        return x_BxTxE
 
     def __post_init__(self):
         if self.embed_dim % self.num_heads:
@@ -320,6 +339,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
             )
+        remat_lib.check_policy(self.remat_policy)
         super().__post_init__()
 
     @nn.compact
@@ -347,21 +367,7 @@ class Transformer(nn.Module):
             x_BxTxE = x_BxTxE + jnp.asarray(table[:length], x_BxTxE.dtype)
         x_BxTxE = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxTxE)
 
-        block = nn.remat(Block) if self.remat else Block
-        for i in range(self.num_layers):
-            x_BxTxE = block(
-                num_heads=self.num_heads,
-                head_dim=self.embed_dim // self.num_heads,
-                mlp_dim=self.mlp_dim or 4 * self.embed_dim,
-                out_stddev=0.02 / math.sqrt(2 * self.num_layers),
-                rotary=self.positions == "rotary",
-                use_bias=self.use_bias,
-                attention=self.attention,
-                dropout_rate=self.dropout_rate,
-                deterministic=not train,
-                dtype=self.dtype,
-                name=f"block_{i}",
-            )(x_BxTxE)
+        x_BxTxE = self._blocks(x_BxTxE, train)
         x_BxTxE = _layer_norm(self.dtype, "ln_final")(x_BxTxE)
         if self.tie_embeddings:
             logits_fn = functools.partial(project, kernel_ExV=embed.embedding.T, dtype=self.dtype)
@@ -373,6 +379,21 @@ class Transformer(nn.Module):
         if not self.loss_chunk or self.loss_chunk >= length:
             return token_nats(logits_fn(x_BxTxE), targets)
         return chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
+
+
+def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
+    return dict(
+        num_heads=model.num_heads,
+        head_dim=model.embed_dim // model.num_heads,
+        mlp_dim=model.mlp_dim or 4 * model.embed_dim,
+        out_stddev=0.02 / math.sqrt(2 * model.num_layers),
+        rotary=model.positions == "rotary",
+        use_bias=model.use_bias,
+        attention=model.attention,
+        dropout_rate=model.dropout_rate,
+        deterministic=not train,
+        dtype=model.dtype,
+    )
 
 
 def check_length(length: int, max_len: int) -> None:

@@ -77,15 +77,21 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
-def make_model(model_kwargs: Mapping[str, Any]) -> Transformer:
-    """The `Transformer` from the config's ``model`` dict."""
+def make_model(model_kwargs: Mapping[str, Any], remat_policy: str | None = None) -> Transformer:
+    """The `Transformer` from the config's ``model`` dict and ``remat_policy``."""
     if "warmup_steps" in model_kwargs:
         raise ConfigError(
             "config.model.warmup_steps is a config key of its own now: config.warmup_steps "
             "(with config.lr_schedule='cosine', config.lr_end_fraction=0.1 as before)"
         )
+    if "remat" in model_kwargs or "remat_policy" in model_kwargs:
+        raise ConfigError(
+            "config.model.remat is config.remat_policy now: None (keep every activation), "
+            "'full' (what remat=True was), 'minimal', 'save_dot_except_mlp', 'save_qkv_proj' "
+            "or 'minimal_offloaded'"
+        )
     try:
-        return Transformer(**model_kwargs)
+        return Transformer(**model_kwargs, remat_policy=remat_policy)
     except ValueError as e:  # the model's own checks of its sizes
         raise ConfigError(f"config.model: {e}") from None
     except TypeError as e:
@@ -108,7 +114,7 @@ def make_experiment(settings: Settings) -> Experiment:
     Train records and eval records report ``loss`` (nats per real token) and
     ``perplexity = exp(loss)``; throughput counts ``max_len`` tokens per example.
     """
-    network = make_model(settings.model)
+    network = make_model(settings.model, settings.remat_policy)
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
 

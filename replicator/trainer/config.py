@@ -23,7 +23,7 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from replicator import sharding, storage
+from replicator import remat, sharding, storage
 from replicator.errors import ConfigError as ConfigError
 
 _REQUIRED = object()
@@ -118,6 +118,13 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "parameters with fewer elements get no automatic FSDP (0: shard all)",
     ),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
+    "remat_policy": (
+        (str, None),
+        None,
+        "which activations the backward pass keeps (replicator.remat, MaxText's names): "
+        "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
+        "'minimal_offloaded'",
+    ),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
     "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),
     "step_path": ((str,), "run", "'run' (per replica) or 'compile' (global view)"),
@@ -351,6 +358,10 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
         )
     if not 0.0 <= values["lr_end_fraction"] <= 1.0:
         problems.append(f"'lr_end_fraction' must be in [0, 1], got {values['lr_end_fraction']}")
+    if values["remat_policy"] not in remat.REMAT_POLICIES:
+        problems.append(
+            f"'remat_policy'={values['remat_policy']!r} is not one of {remat.REMAT_POLICIES}"
+        )
     if values["grad_clip_norm"] is not None and values["grad_clip_norm"] <= 0:
         problems.append(f"'grad_clip_norm' must be > 0 (or None), got {values['grad_clip_norm']}")
     if values["ema_decay"] is not None and not 0.0 < values["ema_decay"] < 1.0:

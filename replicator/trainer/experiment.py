@@ -48,6 +48,8 @@ class Settings:
       sync: the optimizer's synchronisation: None (every step) or `rp.DiLoCo`.
       optimizer_spec: the config's optimizer keys (schedule, decay, clipping, EMA,
         freezing); None: ``optimizer`` at a constant ``learning_rate``.
+      remat_policy: the config's ``remat_policy`` (`replicator.remat`); an experiment
+        whose model names no tensors refuses anything but None.
     """
 
     repl: Replicator
@@ -59,6 +61,7 @@ class Settings:
     seed: int
     sync: DiLoCo | None = None
     optimizer_spec: OptimizerSpec | None = None
+    remat_policy: str | None = None
 
     @property
     def spec(self) -> OptimizerSpec:

@@ -140,6 +140,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             seed=config.seed,
             sync=sync,
             optimizer_spec=OptimizerSpec.from_config(config),
+            remat_policy=config.remat_policy,
         ),
     )
     if training:
@@ -450,6 +451,7 @@ def _make_steps(
     train_replicas.lower = lambda state, batch: repl.lower(
         train_step, state, batch, donate_argnums=(0,)
     )
+    eval_replicas.lower = lambda eval_state, batch: repl.lower(eval_step, eval_state, batch)
     return train_replicas, eval_replicas
 
 
