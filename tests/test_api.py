@@ -70,6 +70,7 @@ def test_replicator_methods_of_the_contract():
         "replicator.activations",
         "replicator.attention",
         "replicator.remat",
+        "replicator.offload",
         "replicator.transforms",
         "replicator.optim",
         "replicator.ema",

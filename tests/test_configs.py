@@ -128,6 +128,7 @@ OVERRIDES = {
     "precision": "fp16",
     "matmul_precision": "highest",
     "remat_policy": "full",
+    "offload_optimizer_state": "True",
     "nonfinite": "skip",
     "step_path": "compile",
     "diloco": "{'inner_steps': 5}",
@@ -165,6 +166,8 @@ def test_every_key_can_be_overridden_from_the_command_line(path, monkeypatch):
         expected = value
         if value[0] in "({":
             expected = json.loads(json.dumps(ast.literal_eval(value)))
+        elif value in ("True", "False"):
+            expected = value == "True"
         elif key != "profile_steps" and re.fullmatch(r"[\d.]+", value):
             expected = float(value) if "." in value else int(value)
         assert saved[key] == expected, key

@@ -396,7 +396,12 @@ def load_config(name: str, mode: str = ""):
 
 @pytest.mark.parametrize(
     "name, low, high",
-    [("lm_tiny", 3e5, 6e5), ("lm_gpt2_124m", 80e6, 90e6), ("lm_1b", 0.95e9, 1.1e9)],
+    [
+        ("lm_tiny", 3e5, 6e5),
+        ("lm_gpt2_124m", 80e6, 90e6),
+        ("lm_1b", 0.95e9, 1.1e9),
+        ("lm_8b", 7.6e9, 8.0e9),
+    ],
 )
 def test_configs_name_real_models_and_smoke_modes(name, low, high):
     module, config = load_config(name)

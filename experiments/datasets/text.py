@@ -5,8 +5,8 @@ Three builders cut documents into the examples a language model trains on:
 * ``python_stdlib``: the sources of the Python standard library that ship with
   the interpreter running the build (``sysconfig.get_paths()["stdlib"]``; real
   text, nothing to download). Configs: ``modules_128`` (the 168 top-level
-  modules, 4.7 MB on CPython 3.11.7: builds in seconds), ``all_1024`` and
-  ``all_2048`` (every ``.py`` file, the test suite included: 1,790 files,
+  modules, 4.7 MB on CPython 3.11.7: builds in seconds), ``all_1024``,
+  ``all_2048`` and ``all_4096`` (every ``.py`` file, the test suite included: 1,790 files,
   31.5 MB on 3.11.7). Another CPython version gives slightly different text.
 * ``text_files``: your own corpus, from a glob of UTF-8 text files (one
   document each, read as bytes) or ``.npy`` arrays of integer token ids (from a
@@ -240,6 +240,7 @@ class PythonStdlib(_WindowBuilder):
         _stdlib_config("modules", 128),
         _stdlib_config("all", 1024),
         _stdlib_config("all", 2048),
+        _stdlib_config("all", 4096),
     ]
 
     def _info(self) -> tfds.core.DatasetInfo:

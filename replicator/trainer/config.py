@@ -125,6 +125,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
         "'minimal_offloaded'",
     ),
+    "offload_optimizer_state": (
+        (bool,),
+        False,
+        "keep the optimizer state in host memory between steps (step_path='compile')",
+    ),
     "matmul_precision": ((str, None), None, "jax.default_matmul_precision, e.g. 'tensorfloat32'"),
     "nonfinite": ((str,), "halt", "a non-finite update: 'halt' the run or 'skip' it"),
     "step_path": ((str,), "run", "'run' (per replica) or 'compile' (global view)"),
@@ -361,6 +366,11 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
     if values["remat_policy"] not in remat.REMAT_POLICIES:
         problems.append(
             f"'remat_policy'={values['remat_policy']!r} is not one of {remat.REMAT_POLICIES}"
+        )
+    if values["offload_optimizer_state"] and values["step_path"] != "compile":
+        problems.append(
+            "'offload_optimizer_state' needs step_path='compile' (the global view moves the "
+            "state between host and device memory inside the step)"
         )
     if values["grad_clip_norm"] is not None and values["grad_clip_norm"] <= 0:
         problems.append(f"'grad_clip_norm' must be > 0 (or None), got {values['grad_clip_norm']}")

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 import replicator as rp
-from replicator import diloco, groups, sharding
+from replicator import diloco, groups, offload, sharding
 from replicator import mesh as mesh_lib
 from replicator.context import get_replica_context, varying_axes
 from replicator.errors import ConfigError, UserError
@@ -169,6 +169,9 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         init, shardings = _diloco_layout(repl, sync, init, abstract)
         abstract = jax.eval_shape(init)
     train_step, eval_step = _make_steps(repl, experiment, config, shardings)
+    if config.offload_optimizer_state:  # between steps in host memory; fetched for the update
+        shardings = _offloaded(shardings)
+        train_step = _fetching_opt_state(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
     eval_batch_size = -(-(config.eval_batch_size or config.batch_size) // unit) * unit
     return Run(
@@ -201,6 +204,11 @@ def _check_optimizer_keys(config, abstract: Any) -> None:
             "the gradients in the backward pass, in their dtype); step_path='run' sums them "
             "in it",
             config.grad_reduce_dtype,
+        )
+    if config.offload_optimizer_state and config.diloco is not None:
+        raise ConfigError(
+            "config.offload_optimizer_state with config.diloco: DiLoCo's groups keep their "
+            "state in rows on the devices; drop one of them"
         )
     if config.ema_decay is not None and config.diloco is not None:
         raise ConfigError(
@@ -453,6 +461,39 @@ def _make_steps(
     )
     eval_replicas.lower = lambda eval_state, batch: repl.lower(eval_step, eval_state, batch)
     return train_replicas, eval_replicas
+
+
+def _offloaded(shardings: Any) -> Any:
+    """``shardings`` with every `TrainState`'s optimizer state in pinned host memory."""
+    is_state = lambda x: isinstance(x, TrainState)
+    return jax.tree.map(
+        lambda x: x.replace(opt_state=offload.host_shardings(x.opt_state)) if is_state(x) else x,
+        shardings,
+        is_leaf=is_state,
+    )
+
+
+def _fetching_opt_state(repl: Replicator, experiment: Experiment, config, shardings: Any):
+    """The compiled train step of a state whose optimizer state lives in host memory:
+    brought into device memory for the update, sent back by the out_shardings."""
+    is_state = lambda x: isinstance(x, TrainState)
+
+    def fetched(state):
+        return jax.tree.map(
+            lambda x, where: (
+                x.replace(opt_state=offload.fetch(x.opt_state, where.opt_state))
+                if is_state(x)
+                else x
+            ),
+            state,
+            shardings,
+            is_leaf=is_state,
+        )
+
+    fetching = dataclasses.replace(
+        experiment, train_step=lambda state, batch: experiment.train_step(fetched(state), batch)
+    )
+    return _make_steps(repl, fetching, config, shardings)[0]
 
 
 def _status(old: Any, new: Any) -> dict[str, jax.Array]:
