@@ -5,7 +5,11 @@ Write a step function as if for one device; `Replicator.run` (per replica, on
 runs it on every device.
 """
 
+from replicator import attention as attention  # rp.attention.causal_attention, per backend
 from replicator import ema as ema  # rp.ema.track: an EMA of the parameters
+from replicator import offload as offload  # rp.offload: state in host memory between steps
+from replicator import remat as remat  # rp.remat.checkpoint_policy: MaxText's named policies
+from replicator import topology as topology  # rp.topology.devices: a TPU slice to compile for
 from replicator.checkpoint import Checkpoints as Checkpoints
 from replicator.context import AxisNameError as AxisNameError
 from replicator.context import ReplicaContext as ReplicaContext
