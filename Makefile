@@ -1,4 +1,6 @@
 # Every target installs into .venv first if needed; a fresh machine needs only python3.11 and make.
+# The install includes libtpu (the tpu extra, Linux x86-64): the tests compile for Cloud TPU
+# topologies with it, on CPU (tests/conftest.py sets JAX_PLATFORMS=cpu).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --quiet -e '.[test]'  # -qq: no setuptools banner; errors still show
+	$(BIN)/python -m pip install --quiet --quiet -e '.[test,tpu]'  # -qq: no setuptools banner; errors still show
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -30,7 +30,9 @@ Data: every ``.py`` file of the interpreter's standard library in windows of
 4,096 bytes (``python_stdlib/all_4096``, built offline on first use), a stand-in:
 point ``dataset`` at your own corpus (``configs/lm_gpt2_124m.py`` says how).
 
-Expected: not measured (no TPU was available when it was written).
+Expected: not measured (no TPU was available when it was written). The compiled
+program's roofline (``docs/benchmarks.md``) puts a step at about 1.0 s on a
+v5p-128 and 0.5 s on two, so the 1,000 steps would take at least 17 minutes on one.
 Smoke mode for tests: ``--config configs/lm_8b.py:smoke``.
 """
 

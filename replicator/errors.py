@@ -66,3 +66,8 @@ class DatasetNotPreparedError(DatasetError):
 
 class LaunchError(UserError):
     """A launch that cannot go ahead (no gcloud, no account, no TPU of that name)."""
+
+
+class TopologyError(UserError, ValueError):
+    """A TPU topology that cannot be compiled for: an accelerator name that is not one,
+    a mesh that does not divide its chips, or no libtpu on this machine."""

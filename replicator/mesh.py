@@ -127,7 +127,9 @@ def build_mesh(
     """Builds the ``("data", "fsdp", "tensor")`` mesh over ``devices``.
 
     Args:
-      devices: the devices to use; ``None`` means every device of every process.
+      devices: the devices to use; ``None`` means every device of every process. The
+        devices of a Cloud TPU slice to compile for (`replicator.topology.devices`)
+        work too: the mesh is laid out as on that slice, for lowering and compiling.
       axes: axis sizes as in `resolve_axis_sizes`; with ``dcn_axes``, the sizes
         within one TPU slice (or one host).
       dcn_axes: axis sizes across TPU slices (or hosts, on GPUs), e.g.
@@ -135,7 +137,8 @@ def build_mesh(
 
     Returns:
       A mesh whose axes are `Auto` (the compiler propagates shardings), laid out
-      for the hardware's topology when it spans all devices.
+      for the hardware's topology (`jax.experimental.mesh_utils`) when it spans all
+      devices or a whole topology's; a subset of this job's devices in their order.
     """
     if dcn_axes is not None:
         array = hybrid_mesh_devices(axes, dcn_axes, devices)
@@ -148,26 +151,35 @@ def build_mesh(
                 f"{jax.device_count()} devices."
             )
     processes.check_joined()
-    all_devices = devices is None or len(devices) == jax.device_count()
+    whole = devices is None or len(devices) == jax.device_count() or _compile_only(devices)
     devices = jax.devices() if devices is None else devices
     sizes = resolve_axis_sizes(axes, len(devices))
     shape = tuple(sizes.values())
-    if all_devices:
-        # Topology-aware order on TPU/GPU (rings along the fastest axes).
+    if whole:
+        # Topology-aware order on TPU/GPU (rings along the fastest axes): for all of this
+        # job's devices, or a whole slice's devices to compile for (`replicator.topology`).
         device_array = _create_device_mesh(shape, devices)
     else:
         device_array = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def _compile_only(devices: Sequence[jax.Device]) -> bool:
+    """Whether ``devices`` are none of this job's: a topology's, to compile for."""
+    own = {(d.platform, d.id) for d in jax.devices()}
+    return not any((d.platform, d.id) in own for d in devices)
+
+
 def _create_device_mesh(shape: tuple[int, ...], devices: list[jax.Device]) -> np.ndarray:
     from jax.experimental import mesh_utils
 
-    try:
-        return mesh_utils.create_device_mesh(shape, devices)
-    except (ValueError, NotImplementedError, AssertionError):
-        # Topologies mesh_utils does not know (e.g. fake CPU devices split oddly).
-        return np.asarray(devices, dtype=object).reshape(shape)
+    for split in (False, True):  # a physical axis split over mesh axes only when it must be
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
+    # Topologies mesh_utils does not know (e.g. fake CPU devices split oddly).
+    return np.asarray(devices, dtype=object).reshape(shape)
 
 
 # --------------------------------------------------------------- multi-slice
@@ -210,10 +222,14 @@ def hybrid_mesh_devices(
         raise ValueError(f"Slices hold different numbers of devices: {dict(slices)}.")
     dcn = resolve_axis_sizes(dcn_axes, len(slices))
     ici = resolve_axis_sizes(ici_axes, sizes.pop())
-    array = mesh_utils.create_hybrid_device_mesh(
-        [ici[a] for a in MESH_AXES],
-        [dcn[a] for a in MESH_AXES],
-        devices,
-        process_is_granule=not by_slice,
-    )
+    shapes = ([ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES])
+    try:
+        array = mesh_utils.create_hybrid_device_mesh(
+            *shapes, devices, process_is_granule=not by_slice
+        )
+    except (ValueError, NotImplementedError, AssertionError):
+        # A slice's physical axis split over mesh axes (e.g. 4x4 chips as fsdp=8, tensor=2).
+        array = mesh_utils.create_hybrid_device_mesh(
+            *shapes, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
+        )
     return np.asarray(array, dtype=object)

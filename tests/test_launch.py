@@ -15,7 +15,7 @@ import time
 import pytest
 
 from replicator import storage
-from replicator.runtime import launch, tpu, worker
+from replicator.runtime import launch, preflight, tpu, worker
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run"]
@@ -49,6 +49,7 @@ def own_tmp(tmp_path, monkeypatch):
 
 def test_the_doctests():
     assert doctest.testmod(tpu).failed == 0
+    assert doctest.testmod(preflight).failed == 0
 
 
 # ---------------------------------------------------------------- dry runs: the exact commands
@@ -61,6 +62,11 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
     out = capsys.readouterr().out
     digest = tpu.plan_bundle(TRAIN).digest
     bundle = f"replicator-{digest}.tar.gz"
+    preflight, out = out.split("\n", 1)  # without --accelerator-type a dry run says how
+    assert preflight.startswith(
+        "# pre-flight: launching reads the accelerator type (gcloud compute tpus tpu-vm "
+        "describe my-pod --zone=us-east5-a --project=proj '--format=value(acceleratorType)')"
+    ), preflight
     assert out.startswith(f"# bundle {bundle}: ")
     scp, setup, start = printed_commands(out)
     assert scp == [
@@ -149,6 +155,47 @@ def test_tpu_dry_run_runs_a_python_script(monkeypatch, capsys, own_tmp):
     ]  # fmt: skip
     # No --workdir: the log stays on each worker; the worker runs python as its own.
     assert '"$job/worker.log" -- python my_script.py --out "gs://bucket/x y" >' in run_line
+
+
+# ---------------------------------------------------------------- the pre-flight compile
+# (its compile, with libtpu, is tested in tests/test_tpu_compile.py)
+
+
+def test_no_preflight_ships_a_train_command_unchecked(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--no-preflight", "--dry-run"]
+    assert launch.main(["tpu", *where, "--", *TRAIN]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# bundle ") and "pre-flight" not in out
+
+
+def test_a_preflight_without_libtpu_is_one_line(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(preflight, "have_libtpu", lambda: False)
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run"]
+    assert launch.main(["tpu", *where, "--accelerator-type", "v5e-16", "--", *TRAIN]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: the pre-flight compile for v5e-16 needs libtpu here"), line
+    assert "pip install -e '.[tpu]'" in line and "--no-preflight" in line
+    assert "gcloud" not in captured.out  # refused before anything was shipped
+    # Commands other than train have no config to compile: they go ahead.
+    script = ["python", "my_script.py"]
+    assert launch.main(["tpu", *where, "--accelerator-type", "v5e-16", "--", *script]) == 0
+
+
+def test_the_pods_accelerator_type_is_asked_of_gcloud(tmp_path, monkeypatch, fake_cloud):
+    pod, queued = tpu.Pod("my-pod", "z", "proj"), tpu.Pod("my-qr", "z", slices=2)
+    assert preflight.describe_command(queued) == [
+        "gcloud", "compute", "tpus", "queued-resources", "describe", "my-qr", "--zone=z",
+        "--format=value(tpu.nodeSpec[0].node.acceleratorType)",
+    ]  # fmt: skip
+    monkeypatch.setenv("FAKE_ACCELERATOR", "v5litepod-16")
+    assert preflight.accelerator_type(pod) == "v5litepod-16"
+    assert fake_cloud.read_text() == "compute tpus tpu-vm describe my-pod\n"  # 5 words logged
+    monkeypatch.delenv("FAKE_ACCELERATOR")
+    with pytest.raises(tpu.LaunchError, match="--accelerator-type, or skip"):
+        preflight.accelerator_type(pod)
 
 
 def test_tpu_dry_run_from_an_experiment_directory(tmp_path, monkeypatch, capsys, own_tmp):
@@ -274,6 +321,9 @@ if args[:2] == ["auth", "list"]:
     print(os.environ.get("FAKE_ACCOUNT", ""))
     sys.exit(0)
 home = os.environ["FAKE_WORKER_HOME"]
+if args[3] == "describe":  # the pod's accelerator type, when the test gives one
+    print(os.environ.get("FAKE_ACCELERATOR", ""))
+    sys.exit(0 if os.environ.get("FAKE_ACCELERATOR") else 1)
 if args[3] == "scp":
     shutil.copy(args[4], os.path.join(home, args[5].split(":", 1)[1]))
     sys.exit(0)

@@ -17,6 +17,7 @@ my_script.py ARGS`` for a custom loop that calls ``rp.initialize()`` first; see
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from replicator.runtime import tpu
+from replicator.runtime import preflight, tpu
 from replicator.runtime.processes import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 USAGE_ERROR = 2  # the exit status of a launch that cannot go ahead, as the CLI's
@@ -310,6 +311,12 @@ examples:
 
 _TPU_HELP = f"""\
 what it does, each gcloud command printed first (--dry-run: printed only):
+  0. pre-flight, for a train command: compiles its config here for the pod's
+     accelerator type and slices (python -m replicator compile; libtpu, the tpu
+     extra, no TPU) and refuses a run that does not fit a chip's HBM, in one
+     line; the report stays in ~/.cache/replicator/preflight/NAME. The type is
+     asked of gcloud, or given with --accelerator-type (a dry run compiles only
+     with it); --no-preflight skips the check
   1. copies one tarball, named by its content hash, to every worker: the
      project's files (git ls-files of the checkout replicator is imported from;
      never .venv, runs/ or data) and the Python files COMMAND names (--config
@@ -402,7 +409,11 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
             restarts=args.restarts,
             log_dir=args.log_dir,
             dry_run=args.dry_run,
-        )
+            before_shipping=None if args.no_preflight else functools.partial(
+                preflight.check_fit, pod=pod, accelerator=args.accelerator_type,
+                dry_run=args.dry_run,
+            ),
+        )  # fmt: skip
         if not args.dry_run:
             again = f"python -m replicator launch tpu {shlex.join(_pod_options(pod))}"
             print(f"# follow: {again} --logs\n# stop:   {again} --stop", flush=True)
@@ -536,6 +547,17 @@ def _add_tpu_options(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="mirror each worker's log to DIR/worker-N.log, local to the worker or gs:// "
         "(default: WORKDIR/launch when COMMAND has --workdir)",
+    )
+    parser.add_argument(
+        "--accelerator-type",
+        metavar="TYPE",
+        help="the pod's accelerator type for the pre-flight compile, e.g. v5litepod-16 "
+        "(default: asked of gcloud)",
+    )
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="ship a train command without compiling its config for the pod here first",
     )
     parser.add_argument(
         "--python",

@@ -21,6 +21,9 @@ each printed before it runs (``--dry-run`` prints them and runs nothing):
    to ``~/.replicator/job/worker.log`` and mirrors that log to
    ``WORKDIR/launch/worker-N.log``.
 
+Before any of it, ``launch tpu`` compiles a ``train`` command's config for the
+pod here and refuses a run that does not fit (`replicator.runtime.preflight`).
+
 `logs_command` follows a worker's log; `stop_command` stops the job on every
 worker (SIGTERM, which the trainer turns into a checkpoint; SIGKILL after a
 grace period) and frees the TPU.
@@ -41,7 +44,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from replicator.errors import LaunchError as LaunchError
 
@@ -595,6 +598,7 @@ def launch(
     restarts: int = 0,
     log_dir: str | None = None,
     dry_run: bool = False,
+    before_shipping: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Starts ``command`` on every worker of ``pod`` (see the module's docstring).
 
@@ -607,14 +611,19 @@ def launch(
       log_dir: where each worker's log is mirrored (default: ``WORKDIR/launch``
         when the command has ``--workdir``); local on the worker or ``gs://``.
       dry_run: print the commands, run nothing, write nothing (no gcloud needed).
+      before_shipping: called with the job's command once gcloud is there, before
+        anything is written or copied (`replicator.runtime.preflight`); it raises
+        `LaunchError` to stop the launch.
 
     Raises:
       LaunchError: no gcloud, no active account, a file outside the working
-        directory, or a gcloud command that failed.
+        directory, a gcloud command that failed, or ``before_shipping``'s refusal.
     """
     if not dry_run:
         check_gcloud()
     command = job_command(command, pod.slices)
+    if before_shipping is not None:
+        before_shipping(command)
     bundle = plan_bundle(command)
     log_dir = log_dir or default_log_dir(command)
     commands = start_commands(

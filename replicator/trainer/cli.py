@@ -1,9 +1,10 @@
-"""Command line: ``python -m replicator {train,eval,plot,launch} ...``, dispatched.
+"""Command line: ``python -m replicator {train,eval,compile,plot,launch} ...``, dispatched.
 
 ``train`` and ``eval`` run a config (`replicator.trainer.config_files` resolves
 it: the ``--config`` file, or the run's own ``WORKDIR/config.json`` for eval,
-with ``--config.key=value`` overrides on top); ``plot`` draws a run's metrics;
-``launch`` is `replicator.runtime.launch`.
+with ``--config.key=value`` overrides on top); ``compile`` compiles a config's
+steps for a Cloud TPU topology (`replicator.trainer.aot`); ``plot`` draws a
+run's metrics; ``launch`` is `replicator.runtime.launch`.
 
 What a person sees:
 
@@ -81,10 +82,24 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "host). Default: JAX's own device count.",
 )
 
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "compile: the Cloud TPU accelerator type to compile for, as gcloud names it "
+    "(v4-32, v5e-16 or v5litepod-16, v5p-128, v6e-64, tpu7x-8).",
+)
+_SLICES = flags.DEFINE_integer(
+    "slices",
+    1,
+    "compile: slices of --topology, joined by the data center network (a config "
+    "without dcn_mesh gets dcn_mesh={'data': N}).",
+)
+
 _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
     "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, *_COMMON),
+    "compile": (_CONFIG, _TOPOLOGY, _SLICES, _WORKDIR, _VERBOSE, _DEBUG),
 }
 
 
@@ -165,13 +180,16 @@ def main_or_exit(argv: list[str]) -> None:
 
 
 def main(argv: list[str], console: Console) -> None:
-    """Runs ``train``, ``eval`` or ``plot`` with the parsed flags."""
+    """Runs ``train``, ``eval``, ``compile`` or ``plot`` with the parsed flags."""
     command = argv[1]
     if command == "plot":
         _plot(argv)
         return
     if len(argv) > 2:
         raise UsageError(f"unexpected arguments {argv[2:]}; flags are written --name=value")
+    if command == "compile":
+        _compile(console)
+        return
     for flag in (_CONFIG, _WORKDIR):
         if flag.value is None:
             raise UsageError(f"--{flag.name} is required; see `python -m replicator {command} -h`")
@@ -234,6 +252,47 @@ def _eval(config, workdir: str, console: Console, chief: bool) -> None:
     )
     if chief:
         console.print(json.dumps(result))
+
+
+def _compile(console: Console) -> None:
+    """``compile``: the config's steps compiled for ``--topology``; exit status 2 when
+    they do not fit a chip (the report is written either way)."""
+    from replicator import topology
+
+    if _CONFIG.value is None:
+        raise UsageError("--config is required; see `python -m replicator compile -h`")
+    if _TOPOLOGY.value is None:
+        raise UsageError(
+            "--topology is required: the accelerator type to compile for, e.g. --topology "
+            f"v5e-16; the known ones: {topology.KNOWN_NAMES}"
+        )
+    if _SLICES.value < 1:
+        raise UsageError(f"--slices={_SLICES.value}: give 1 or more slices")
+    topology.accelerator(_TOPOLOGY.value)  # an unknown name or no libtpu: one line, at once
+    topology.check_libtpu()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # compile for the topology; take no local TPU
+    from replicator.trainer import aot
+
+    config_file = flags.FLAGS["config"].config_filename
+    workdir = _WORKDIR.value or aot.default_workdir(config_file, _TOPOLOGY.value, _SLICES.value)
+    if storage.is_remote(workdir):
+        storage.check_writable(workdir)
+    elif os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UsageError(f"--workdir {workdir} is a file, not a directory")
+    config = config_files.config_for("compile", workdir)
+    report = aot.compile_for_topology(
+        config, _TOPOLOGY.value, slices=_SLICES.value, workdir=workdir
+    )
+    # The log joins the report only now: a config refused on the way leaves no directory.
+    where = storage.join(workdir, "compile")
+    console.log_to(where, 0, " ".join(sys.argv[1:]), create=True)
+    for line in aot.summary_lines(report):
+        console.print(line)
+    console.print(f"report: {storage.join(where, 'report.json')}")
+    if not report.fits:
+        sys.exit(USAGE_ERROR)
 
 
 def _plot(argv: list[str]) -> None:

@@ -19,12 +19,16 @@ from replicator.trainer.config import describe_keys
 COMMANDS = {
     "train": "train a config's experiment in WORKDIR, resuming from its newest checkpoint",
     "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (one JSON line)",
+    "compile": "compile a config's steps for a Cloud TPU slice here: memory per chip, FLOPs, "
+    "collectives, a roofline",
     "plot": "draw WORKDIR's metrics as PNG files in WORKDIR/plots/",
     "launch": "run a command as every process of a multi-process run: local, tpu or slurm",
 }
 SYNOPSIS = {
     "train": "train --config FILE[:MODE] --workdir DIR [--config.KEY=VALUE ...] [flags]",
     "eval": "eval --workdir DIR [--config FILE[:MODE]] [--config.KEY=VALUE ...] [flags]",
+    "compile": "compile --config FILE[:MODE] --topology TYPE [--slices N] [--workdir DIR] "
+    "[--config.KEY=VALUE ...]",
     "plot": "plot WORKDIR",
 }
 
@@ -53,7 +57,7 @@ def command_help(
     """``python -m replicator COMMAND --help``.
 
     Args:
-      command: ``train``, ``eval`` or ``plot``.
+      command: ``train``, ``eval``, ``compile`` or ``plot``.
       flag_names: the command's flags, in the order to show them.
       config: the config given, whose values are shown beside the keys' defaults.
       source: where ``config`` came from (a file, a run's ``config.json``).

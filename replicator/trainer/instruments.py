@@ -11,7 +11,6 @@ import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from replicator import diloco, hlo, sharding
-from replicator.state import TrainState
 from replicator.trainer.peaks import peak_flops_per_second
 
 log = logging.getLogger("replicator")
@@ -115,9 +114,12 @@ def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: b
 
 
 def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
-    """The train step's FLOPs (XLA's count) and model FLOPs utilization over ``steps``.
+    """The train step's FLOPs and model FLOPs utilization over ``steps``.
 
-    MFU = FLOPs per step x steps / compute time / peak FLOP/s of the mesh's
+    FLOPs are the matrix products of the compiled step (`replicator.hlo.analyze`:
+    every loop's body as many times as it runs, so scanned layers and gradient
+    accumulation count in full, where XLA's ``cost_analysis()`` sees a loop's body
+    once). MFU = FLOPs per step x steps / compute time / peak FLOP/s of the mesh's
     devices (`peak_flops_per_second`). Compute time is the device's: the loop
     counts as "compute" its dispatches and every wait for the device (the
     non-finite check of the previous step, logging, before eval and saves), and
@@ -129,11 +131,10 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     result: dict[str, Any] = {}
     try:
         # The compiled program is cached: this neither traces nor compiles again.
-        compiled = run.train_step.lower(state, batch).compile()
+        program = run.train_step.lower(state, batch).compile().as_text()
         if run.config.diloco is not None:
-            result |= _island_traffic(run, compiled.as_text(), state)
-        cost = _whole_batch_cost(run, state, batch, compiled)
-        flops = float(cost["flops"]) * len(devices)  # XLA counts one device's program
+            result |= _island_traffic(run, program, state)
+        flops = hlo.analyze(program).flops * len(devices)  # one device's program, each
         result["flops_per_step"] = flops
         compute = watch.totals.get("compute", 0.0)
         peak = peak_flops_per_second(devices)
@@ -149,28 +150,6 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     except Exception as e:  # noqa: BLE001  (an instrument must not fail the run)
         log.warning("No FLOP count or MFU for the train step: %s", e)
     return result
-
-
-def _whole_batch_cost(run, state, batch, compiled) -> dict:
-    """XLA's cost of the step over its whole global batch. XLA counts a loop's body
-    once, whatever its trip count, so under gradient accumulation (a loop over the
-    microbatches) the cost is that of the same step without it, compiled once more
-    here: the same arithmetic, in one pass."""
-    accumulating = [
-        s for s in jax.tree.leaves(state, is_leaf=_is_train_state) if _is_train_state(s)
-    ]
-    if not any(s.grad_accum_steps > 1 for s in accumulating):
-        return compiled.cost_analysis()
-    whole = jax.tree.map(
-        lambda s: s.replace(grad_accum_steps=1) if _is_train_state(s) else s,
-        state,
-        is_leaf=_is_train_state,
-    )
-    return run.train_step.lower(whole, batch).compile().cost_analysis()
-
-
-def _is_train_state(x) -> bool:
-    return isinstance(x, TrainState)
 
 
 def _island_traffic(run, program: str, state) -> dict:

@@ -9,42 +9,30 @@ import time
 import jax
 import numpy as np
 
-# Dense bf16 matmul peaks per chip, from the vendors' data sheets, by the start
-# of jax.Device.device_kind. MFU on an accelerator is measured against these.
-_PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "TPU7x": 2307e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA H100": 989e12,  # SXM; the PCIe card peaks at 756e12
-    "NVIDIA A100": 312e12,
-    "NVIDIA L4": 121e12,
-}
+from replicator.topology import chip_spec
 
 
 def data_sheet_peak(device_kind: str) -> tuple[float, str] | None:
     """The dense bf16 matmul peak of one chip of ``device_kind`` and its source, or
-    None for a chip not in the table (CPUs included).
+    None for a chip not in the table (CPUs included). The peaks live in the one
+    table of chip specs, `replicator.topology.CHIPS`.
 
     >>> data_sheet_peak("NVIDIA H100 80GB HBM3")
     (989000000000000.0, 'NVIDIA H100 bf16 data sheet')
+    >>> data_sheet_peak("TPU v5 lite")
+    (197000000000000.0, 'TPU v5e bf16 data sheet')
     """
-    for prefix, peak in _PEAK_FLOPS.items():
-        if device_kind.startswith(prefix):
-            return peak, f"{prefix} bf16 data sheet"
-    return None
+    chip = chip_spec(device_kind)
+    if chip is None or chip.bf16_flops_per_s is None:
+        return None
+    return chip.bf16_flops_per_s, f"{chip.name} bf16 data sheet"
 
 
 def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None:
     """The matmul peak of ``devices`` together, and where the number comes from.
 
-    Accelerators: the data-sheet dense bf16 peak of their chip times their
-    count. CPUs: an f32 matmul measured now on one of this process's devices
+    Accelerators: the data-sheet dense bf16 peak of their chip (`replicator.topology`)
+    times their count. CPUs: an f32 matmul measured now on one of this process's devices
     (chains of dependent 1024x1024 products, best of a few rounds, about
     0.3 s), times the number of hosts (`_num_hosts`): a host's CPU devices
     share its cores, and every host is taken to be like this one.
@@ -55,8 +43,10 @@ def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None
     if devices[0].platform == "cpu":
         local = [d for d in devices if d.process_index == jax.process_index()]
         return _num_hosts(devices) * measure_matmul_flops(local[0]), "measured f32 matmul"
-    chip = data_sheet_peak(devices[0].device_kind)
-    return None if chip is None else (len(devices) * chip[0], chip[1])
+    chip = chip_spec(devices[0].device_kind)
+    peak = data_sheet_peak(devices[0].device_kind)
+    # Per device: a chip whose TensorCores are separate devices (TPU7x) shares its peak.
+    return None if peak is None else (len(devices) * chip.per_device(peak[0]), peak[1])
 
 
 def _num_hosts(devices: list[jax.Device]) -> int:
