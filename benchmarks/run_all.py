@@ -8,7 +8,9 @@ interleaves its own candidates), then benchmarks/loader.py and
 benchmarks/checkpoint.py when they exist; raw numbers land in
 benchmarks/results/*.json. The sections this script owns are rewritten from
 those files; every other section of docs/benchmarks.md is left as it is.
-About 9 minutes on the 2-core development machine (``--quick``: about 4).
+About 9 minutes on the 2-core development machine (``--quick``: about 4), plus
+about 25 for benchmarks/tpu_programs.py (libtpu compiles of our configs for TPU
+slices; ``--only`` leaves it out unless named).
 ``--docs-only`` rewrites the sections from the existing results files.
 """
 
@@ -34,7 +36,7 @@ OURS = {
 # Their docs sections are written by hand.
 OTHERS = (
     "loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage",
-    "grad_sum",
+    "grad_sum", "tpu_programs",
 )  # fmt: skip
 PREAMBLE = """# Benchmarks
 
@@ -64,6 +66,7 @@ def sections() -> dict[str, str]:
     import scaling
     import storage
     import throughput
+    import tpu_programs
 
     modules = {
         "efficiency": efficiency,
@@ -74,6 +77,7 @@ def sections() -> dict[str, str]:
         "precision": precision,
         "storage": storage,
         "grad_sum": grad_sum,
+        "tpu_programs": tpu_programs,
     }
     out = {}
     for name, module in modules.items():

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from replicator import diloco, optim, transforms, zero
+from replicator import diloco, offload, optim, transforms, zero
 from replicator.context import get_replica_context
 from replicator.precision import LossScale, Policy, get_policy
 from replicator.transforms import all_finite as all_finite  # where the benchmarks import it
@@ -173,6 +173,8 @@ class TrainState:
                 "apply_gradients(skip_nonfinite=False) with a loss scale: fp16 loss scaling "
                 "finds its scale by skipping the steps that overflow. Keep the default."
             )
+        # Moments kept in host memory between steps come into HBM for the update only.
+        self = self.replace(opt_state=offload.in_device_memory(self.opt_state))
         update = _optimizer_update(tx, grads, self.params)
         update = (transforms.apply_if_finite if skip_nonfinite else transforms.apply_always)(update)
         # An aggregator's sum, made outside the guard's conditional: checked, and sliced.

@@ -168,10 +168,9 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     else:  # DiLoCo: parameters and inner state in rows, one per group (`replicator.groups`)
         init, shardings = _diloco_layout(repl, sync, init, abstract)
         abstract = jax.eval_shape(init)
+    if config.offload_optimizer_state:  # between steps in host memory: TrainState's update
+        shardings = _offloaded(shardings)  # fetches it into HBM (offload.in_device_memory)
     train_step, eval_step = _make_steps(repl, experiment, config, shardings)
-    if config.offload_optimizer_state:  # between steps in host memory; fetched for the update
-        shardings = _offloaded(shardings)
-        train_step = _fetching_opt_state(repl, experiment, config, shardings)
     unit = _batch_unit(repl)
     eval_batch_size = -(-(config.eval_batch_size or config.batch_size) // unit) * unit
     return Run(
@@ -471,29 +470,6 @@ def _offloaded(shardings: Any) -> Any:
         shardings,
         is_leaf=is_state,
     )
-
-
-def _fetching_opt_state(repl: Replicator, experiment: Experiment, config, shardings: Any):
-    """The compiled train step of a state whose optimizer state lives in host memory:
-    brought into device memory for the update, sent back by the out_shardings."""
-    is_state = lambda x: isinstance(x, TrainState)
-
-    def fetched(state):
-        return jax.tree.map(
-            lambda x, where: (
-                x.replace(opt_state=offload.fetch(x.opt_state, where.opt_state))
-                if is_state(x)
-                else x
-            ),
-            state,
-            shardings,
-            is_leaf=is_state,
-        )
-
-    fetching = dataclasses.replace(
-        experiment, train_step=lambda state, batch: experiment.train_step(fetched(state), batch)
-    )
-    return _make_steps(repl, fetching, config, shardings)[0]
 
 
 def _status(old: Any, new: Any) -> dict[str, jax.Array]:
