@@ -49,17 +49,24 @@ def test_scanned_layers_compute_what_the_unrolled_blocks_do():
     shapes = jax.tree.map(jnp.shape, nn.meta.unbox(scanned.init(jax.random.key(0), tokens)))
     assert jax.tree.map(jnp.shape, {"params": stacked}) == shapes
 
-    def loss(model, p):
-        return model.apply({"params": p}, tokens, targets=tokens).mean()
+    def loss_and_grads(model, p):
+        loss = lambda p: model.apply({"params": p}, tokens, targets=tokens).mean()
+        return jax.jit(jax.value_and_grad(loss))(p)
 
-    np.testing.assert_allclose(loss(scanned, stacked), loss(unrolled, params), rtol=1e-6)
-    grads = jax.grad(lambda p: loss(unrolled, p))(params)
-    _assert_trees_close(
-        jax.grad(lambda p: loss(scanned, p))(stacked), _stacked(grads, TINY["num_layers"]), 1e-6
-    )
+    loss, grads = loss_and_grads(unrolled, params)
+    scanned_loss, scanned_grads = loss_and_grads(scanned, stacked)
+    np.testing.assert_allclose(scanned_loss, loss, rtol=1e-6)
+    _assert_trees_close(scanned_grads, _stacked(grads, TINY["num_layers"]), 1e-6)
 
 
-@pytest.mark.parametrize("policy", [p for p in remat.REMAT_POLICIES if p is not None])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "full",
+        "minimal",
+        *(pytest.param(p, marks=pytest.mark.slow) for p in remat.REMAT_POLICIES[3:]),
+    ],
+)
 def test_every_remat_policy_gives_the_gradients_of_none(policy):
     tokens = _tokens()
     params = Transformer(**TINY).init(jax.random.key(0), tokens)["params"]
@@ -115,6 +122,7 @@ def test_splash_attention_equals_xla_attention_and_its_gradients():
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.slow  # 27 s: Pallas's interpreter inside shard_map; the kernel alone runs always
 def test_splash_attention_in_an_lm_on_8_devices_trains_like_xla():
     """Inside `Replicator.compile` the kernel runs under shard_map over the batch (the
     activation rules' axes) and heads; under `run` it is refused, in one line."""
@@ -123,7 +131,7 @@ def test_splash_attention_in_an_lm_on_8_devices_trains_like_xla():
     losses = {}
     for impl in ("splash", "xla"):
         settings = Settings(
-            repl=repl, model={**TINY, "attention": impl}, learning_rate=1e-3,
+            repl=repl, model={**TINY, "num_layers": 1, "attention": impl}, learning_rate=1e-3,
             optimizer="adam", num_train_steps=2, grad_accum_steps=1, seed=0,
         )  # fmt: skip
         experiment = make_experiment(settings)

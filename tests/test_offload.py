@@ -28,6 +28,7 @@ def _train(tmp_path, name, data_dir, steps: int, offload: bool) -> list[float]:
     return [r["loss"] for r in records if "split" not in r]
 
 
+@pytest.mark.slow  # three short trainer runs, about 40 s
 def test_offloaded_optimizer_state_trains_and_resumes_exactly(tmp_path, digits_data_dir):
     on_device = _train(tmp_path, "device", digits_data_dir, 4, offload=False)
     first = _train(tmp_path, "host", digits_data_dir, 2, offload=True)
