@@ -188,6 +188,7 @@ def test_slurm_is_detected_through_jax(monkeypatch):
     assert detect_process_group() == ProcessGroup(f"node1:{port}", 4, 2, "SlurmCluster")
 
 
+@pytest.mark.slow  # 25 s; SIGTERM to one trainer is tested in test_checkpoint, always
 def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, digits_data_dir):
     args = [
         "--",

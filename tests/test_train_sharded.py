@@ -42,7 +42,8 @@ def train(tmp_path, name, data_dir, step_path="compile", **mesh):
 
 @pytest.mark.parametrize(
     "step_path",
-    [pytest.param("compile", marks=pytest.mark.slow), "run"],  # compile: make test-slow
+    # 34 s each: make test-slow (test_lm and test_zero hold the same invariants, faster)
+    [pytest.param(path, marks=pytest.mark.slow) for path in ("compile", "run")],
 )
 def test_sharded_meshes_train_like_data_parallelism(tmp_path, digits_data_dir, step_path):
     losses, data8 = train(tmp_path, "data8", digits_data_dir, step_path, data=8)
