@@ -4,7 +4,7 @@ Adam's two moments are two thirds of a float32 train state, and a step reads
 them only once, in the update. `host_shardings` places such leaves in the
 accelerator host's pinned memory (``memory_kind="pinned_host"``) between steps;
 inside the step, `in_device_memory` (which `rp.TrainState.apply_gradients` calls
-on the optimizer state) or `fetch` brings them into device memory for the update,
+on the optimizer state) brings them into device memory for the update,
 and the step's ``out_shardings`` send the new values back. HBM then holds the
 parameters, the activations and one copy of the moments while they are used,
 at the cost of a host round trip per step (PCIe on TPU VMs and GPU hosts),
@@ -22,7 +22,6 @@ import jax
 from jax.sharding import NamedSharding
 
 HOST = "pinned_host"
-DEVICE = "device"
 
 
 def host_shardings(shardings: Any) -> Any:
@@ -33,22 +32,6 @@ def host_shardings(shardings: Any) -> Any:
     'pinned_host'
     """
     return jax.tree.map(lambda s: _with_kind(s, HOST), shardings, is_leaf=_is_sharding)
-
-
-def fetch(tree: Any, shardings: Any) -> Any:
-    """``tree`` moved into device memory, laid out as ``shardings`` (the same
-    shardings `host_shardings` was given): call it inside the compiled step, before
-    the values are used.
-
-    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-    >>> where = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    >>> step = jax.jit(lambda x: fetch(x, where) * 2, out_shardings=host_shardings(where))
-    >>> x = jax.device_put(jnp.ones(3), host_shardings(where))
-    >>> step(x).sharding.memory_kind, step(x).tolist()
-    ('pinned_host', [2.0, 2.0, 2.0])
-    """
-    device = jax.tree.map(lambda s: _with_kind(s, DEVICE), shardings, is_leaf=_is_sharding)
-    return jax.device_put(tree, device)
 
 
 def in_device_memory(tree: Any) -> Any:

@@ -43,10 +43,12 @@ def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None
     if devices[0].platform == "cpu":
         local = [d for d in devices if d.process_index == jax.process_index()]
         return _num_hosts(devices) * measure_matmul_flops(local[0]), "measured f32 matmul"
-    chip = chip_spec(devices[0].device_kind)
     peak = data_sheet_peak(devices[0].device_kind)
+    if peak is None:
+        return None
     # Per device: a chip whose TensorCores are separate devices (TPU7x) shares its peak.
-    return None if peak is None else (len(devices) * chip.per_device(peak[0]), peak[1])
+    per_device = chip_spec(devices[0].device_kind).per_device(peak[0])
+    return len(devices) * per_device, peak[1]
 
 
 def _num_hosts(devices: list[jax.Device]) -> int:
