@@ -11,8 +11,10 @@ replicator (docs/guide.md, "Reading a checkpoint with Orbax alone"):
 * ``config/``  JSON: the resolved experiment config, when one was given;
 * ``metrics/`` JSON: eval metrics of that step, when there are any (Orbax's
   own item, read by the best-N retention);
-* ``before_commit/`` empty: the place of a save's ``before_commit`` callable
-  (the trainer's upload of its records), which Orbax runs as a part of the save.
+* ``before_commit/`` JSON: ``{"before_commit": ...}``, what a save's
+  ``before_commit`` callable (the trainer's upload of its records) returned,
+  when one was given; written after the callable ran, as a part of the save,
+  so the step is never listed before it. Orbax's own JSON handler reads it.
 
 Orbax writes each step into a temporary directory and renames it when complete,
 so a checkpoint torn by a crash is never listed. A listed step that cannot be
@@ -26,7 +28,6 @@ ones, so a checkpoint written on 8 devices restores on 1 or 3.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -123,6 +124,7 @@ class Checkpoints:
         self.restored_step: int | None = None
         self._keep_best = keep_best
         self._json: dict[int, dict[str, Any]] = {}  # step -> its JSON items, read with the state
+        self._before_commit = _BeforeCommitHandler()
         policies = [checkpoint_managers.LatestN(n=keep)]
         if keep_best:
             policies.append(
@@ -144,12 +146,7 @@ class Checkpoints:
             self._manager = ocp.CheckpointManager(
                 self.directory,
                 options=options,
-                item_handlers={
-                    "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-                    "data": ocp.JsonCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler(),
-                    "before_commit": _BeforeCommitHandler(),
-                },
+                handler_registry=_handler_registry(self._before_commit),
             )
         self._remote = storage.is_remote(self.directory)
         if self._remote and not read_only:
@@ -242,7 +239,10 @@ class Checkpoints:
         returned = threading.Event()  # before_commit starts once the caller has its thread back
         if not self._async:
             returned.set()  # a synchronous save runs it before it returns
-        items = _save_items(state, data_state, config, metrics, before_commit, returned)
+        items = _save_items(state, data_state, config, metrics)
+        if before_commit is not None:
+            self._before_commit.pending = (before_commit, returned)
+            items["before_commit"] = ocp.args.JsonSave({})  # written by the handler
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
         finally:
@@ -464,7 +464,26 @@ class Checkpoints:
             )
 
 
-def _save_items(state, data_state, config, metrics, before_commit, returned) -> dict:
+def _handler_registry(
+    before_commit: _BeforeCommitHandler,
+) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Each item's Orbax handler (the module docstring's list), for save and restore;
+    Orbax's manager adds its own for ``metrics``."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handlers = {
+        "state": ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+        "data": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+        "before_commit": before_commit,
+    }
+    for item, handler in handlers.items():
+        is_state = item == "state"
+        registry.add(item, ocp.args.PyTreeSave if is_state else ocp.args.JsonSave, handler)
+        registry.add(item, ocp.args.PyTreeRestore if is_state else ocp.args.JsonRestore, handler)
+    return registry
+
+
+def _save_items(state, data_state, config, metrics) -> dict:
     """`Checkpoints.save`'s Orbax items (see the module docstring)."""
     items = {"state": ocp.args.PyTreeSave(_without_marks(state))}
     if data_state is not None:
@@ -475,8 +494,6 @@ def _save_items(state, data_state, config, metrics, before_commit, returned) -> 
         # Written as Orbax's own "metrics" item, which its best-N policy reads
         # (Orbax itself writes it only when the legacy best_fn option is set).
         items["metrics"] = ocp.args.JsonSave(metrics)
-    if before_commit is not None:
-        items["before_commit"] = _BeforeCommit(before_commit, returned)
     return items
 
 
@@ -537,31 +554,44 @@ def _marked_like(restored: PyTree, like: PyTree) -> PyTree:
     return mark_like(treedef.unflatten(parts), like)
 
 
-class _BeforeCommitHandler(ocp.AsyncCheckpointHandler):
-    """Runs a save's ``before_commit`` callable beside the array writes: Orbax commits
-    a step only when every item's futures are done, this one included."""
+class _BeforeCommitHandler(ocp.JsonCheckpointHandler):
+    """Orbax's JSON handler that first runs a save's ``before_commit`` callable.
 
-    async def async_save(self, directory: epath.Path, args: _BeforeCommit):
+    Orbax commits a step only when every item's futures are done, so the step is
+    listed only after the callable returned. The item it writes is plain JSON, and
+    `typestr` names Orbax's own JSON handler in the step's metadata: a generic
+    ``CheckpointManager(...).restore(step)`` without replicator reads it like
+    ``data`` and ``config``. The callable travels on the handler (`pending`), set
+    by `Checkpoints.save` for the one save at a time that Orbax runs.
+    """
+
+    pending: tuple[Callable[[], Any], threading.Event] | None = None
+
+    @classmethod
+    def typestr(cls) -> str:
+        return ocp.JsonCheckpointHandler.typestr()
+
+    async def async_save(self, directory: epath.Path, item=None, args=None):
+        fn, returned = self.pending
+        self.pending = None
+        write = super()._save_fn
+
         async def call() -> None:
             # Not while `save` still blocks its caller: the callable (an upload) would
             # compete with the device-to-host copy for the interpreter.
-            args.returned.wait()
-            args.fn()
+            returned.wait()
+            await write({"before_commit": _returned_json(fn())}, directory)
 
         return [CommitFutureAwaitingContractedSignals(call(), name="before_commit")]
 
-    def save(self, directory: epath.Path, args: _BeforeCommit) -> None:
-        args.fn()  # a synchronous save: its caller waits for all of it anyway
 
-    def restore(self, directory: epath.Path, args: _BeforeCommit | None = None) -> None:
+def _returned_json(value: Any) -> Any:
+    """What a ``before_commit`` callable returned, as JSON (None if it is not)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
         return None
-
-
-@ocp.args.register_with_handler(_BeforeCommitHandler, for_save=True, for_restore=True)
-@dataclasses.dataclass
-class _BeforeCommit(ocp.args.CheckpointArgs):
-    fn: Callable[[], None] | None = None
-    returned: threading.Event | None = None  # set when `Checkpoints.save` has returned
+    return value
 
 
 def _finish_saving(manager_ref: weakref.ref) -> None:

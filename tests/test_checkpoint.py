@@ -661,3 +661,48 @@ def test_sidecar_follow_evaluates_every_checkpoint(tmp_path, digits_data_dir):
     assert [r["step"] for r in sidecar] == [2, 4, 6]
     metrics = json.loads((tmp_path / "checkpoints" / "4" / "metrics" / "metrics").read_text())
     assert metrics["accuracy"] == results[1]["accuracy"]
+
+
+GENERIC_RESTORE = """
+import json, sys
+import orbax.checkpoint as ocp
+from etils import epath
+manager = ocp.CheckpointManager(sys.argv[1])
+step = manager.latest_step()
+items = manager.restore(step)  # no args, no registry: Orbax alone
+assert not [m for m in sys.modules if m.split(".")[0] in ("replicator", "experiments")]
+on_disk = [p.name for p in (epath.Path(sys.argv[1]) / str(step)).iterdir() if p.is_dir()]
+print(json.dumps({"step": step, "items": sorted(items.keys()), "on_disk": sorted(on_disk),
+                  "before_commit": dict(items["before_commit"]), "metrics": dict(items["metrics"]),
+                  "params": sorted(items["state"]["params"]),
+                  "iterator": "iterator" in items["data"]}))
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_every_item_of_a_step_restores_with_orbax_alone(where, tmp_path, request, digits_data_dir):
+    """A generic ``CheckpointManager(...).restore(step)`` in a process that never imports
+    replicator reads every item the trainer saves (the guide's list of items)."""
+    from tests.test_train import load_config
+
+    workdir = request.getfixturevalue("bucket") + "/run" if where == "bucket" else str(tmp_path)
+    config = load_config(data_dir=digits_data_dir, num_train_steps=2, checkpoint_every_steps=2)
+    config.update(eval_every_steps=2, keep_best_checkpoints=1, best_metric="accuracy")
+    trainer.train_and_evaluate(config, workdir, quiet=True)
+    done = subprocess.run(
+        [sys.executable, "-c", GENERIC_RESTORE, f"{workdir}/checkpoints"],
+        cwd=tmp_path,  # not the repository: replicator cannot be imported by accident
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=""),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["step"] == 2 and got["iterator"] and "Conv_0" in got["params"]
+    assert got["items"] == got["on_disk"] == ["before_commit", "config", "data", "metrics", "state"]
+    assert "accuracy" in got["metrics"]
+    assert got["before_commit"] == {"before_commit": None}  # the trainer's upload returns nothing
+    with open(os.path.join(ROOT, "docs", "guide.md")) as f:
+        listed = f.read().split("Each checkpoint is a plain Orbax step directory:", 1)[1]
+    listed = re.findall(r"^  (\w+)/", listed.split("```")[1], re.M)
+    assert sorted(listed) == got["on_disk"]  # the guide lists what is on disk
