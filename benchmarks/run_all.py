@@ -10,7 +10,7 @@ benchmarks/results/*.json. The sections this script owns are rewritten from
 those files; every other section of docs/benchmarks.md is left as it is.
 About 9 minutes on the 2-core development machine (``--quick``: about 4), plus
 about 25 for benchmarks/tpu_programs.py (libtpu compiles of our configs for TPU
-slices; ``--only`` leaves it out unless named).
+slices; ``--only`` leaves it out unless named) and 5 for benchmarks/pipeline.py.
 ``--docs-only`` rewrites the sections from the existing results files.
 """
 
@@ -36,7 +36,7 @@ OURS = {
 # Their docs sections are written by hand.
 OTHERS = (
     "loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage",
-    "grad_sum", "tpu_programs",
+    "grad_sum", "tpu_programs", "pipeline",
 )  # fmt: skip
 PREAMBLE = """# Benchmarks
 
@@ -62,6 +62,7 @@ def sections() -> dict[str, str]:
     import compile as compile_bench
     import efficiency
     import grad_sum
+    import pipeline
     import precision
     import scaling
     import storage
@@ -78,6 +79,7 @@ def sections() -> dict[str, str]:
         "storage": storage,
         "grad_sum": grad_sum,
         "tpu_programs": tpu_programs,
+        "pipeline": pipeline,
     }
     out = {}
     for name, module in modules.items():

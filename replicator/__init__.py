@@ -23,6 +23,7 @@ from replicator.losses import scale_regularization_loss as scale_regularization_
 from replicator.optim import grad_norm as grad_norm
 from replicator.optim import narrow_sum as narrow_sum
 from replicator.per_replica import PerReplica as PerReplica
+from replicator.pipelining import pipeline as pipeline  # a layer stack over the "stage" axis
 from replicator.precision import LossScale as LossScale
 from replicator.precision import Policy as Policy
 from replicator.precision import apply_policy as apply_policy

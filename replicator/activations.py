@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from replicator.sharding import DEFAULT_RULES, Rule, _as_axes, _names_mesh_axes
@@ -74,7 +75,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         raise ValueError(
             f"constrain: {len(names)} names {tuple(names)} for a {np.ndim(x)}-d value."
         )
-    taken: set[str] = set()
+    # Axes a shard_map made manual (a pipeline's, `replicator.pipelining`) split x already.
+    taken = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto}
     parts = []
     for size, name in zip(np.shape(x), names):
         axes = _rule_axes(name, rules)

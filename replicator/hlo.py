@@ -563,12 +563,15 @@ class _Tally:
         runtime, naming the transfer and the slices it joins."""
         kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', op.attrs).group(1)
         kind = kind.lower().replace("_", "-")
-        target = re.search(r'_xla_megascale_target="\{([^}]*)\}', op.attrs)
-        slices = replica_groups.count_ids(target.group(1)) if target else 0
-        if slices <= 1:
-            return
-        factor = {"all-reduce": 2 * (slices - 1) / slices, "all-gather": slices - 1}
-        sent = size * factor.get(kind, (slices - 1) / slices)
+        if kind == "one-to-one":  # a ppermute's pairs ({{src->dst},...}): sends its operand
+            kind, sent = "collective-permute", size
+        else:
+            target = re.search(r'_xla_megascale_target="\{([^}]*)\}', op.attrs)
+            slices = replica_groups.count_ids(target.group(1)) if target else 0
+            if slices <= 1:
+                return
+            factor = {"all-reduce": 2 * (slices - 1) / slices, "all-gather": slices - 1}
+            sent = size * factor.get(kind, (slices - 1) / slices)
         entry = self.collectives.setdefault((kind, self.dcn_axes(), True, in_branch), [0.0, 0])
         entry[0] += sent * count
         entry[1] += count

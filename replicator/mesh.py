@@ -4,6 +4,12 @@ Every Replicator owns one `jax.sharding.Mesh` with the named axes
 ``("data", "fsdp", "tensor")``, always all three, so that shardings are written
 the same way whatever the parallelism: an axis that is not used has size 1.
 The data-parallel replicas span ``data`` x ``fsdp``.
+
+The axes of the other parallelisms (`OPTIONAL_AXES`: ``stage`` for pipelines,
+``context`` for sequences, ``expert`` for mixtures of experts) are in the mesh
+only when asked for with a size above 1, in the order of `AXES`; a sharding
+rule that names one the mesh does not have is left out, as for an axis of size
+1, so one model's rules serve every mesh.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from jax.sharding import AxisType, Mesh
 from replicator.runtime import processes
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# Axes in the mesh only with a size above 1, and the order of all of them (outermost
+# first: the slow links carry the leftmost, as in MaxText's ``mesh_axes``).
+OPTIONAL_AXES = ("stage", "context", "expert")
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 # The axes a batch is split over; their product is the number of replicas.
 DATA_AXES = ("data", "fsdp")
 
@@ -55,7 +65,14 @@ def resolve_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict
             f"Mesh {axes} has {fixed} devices but {num_devices} are available; make the "
             f"sizes multiply to {num_devices}, or set one axis to -1."
         )
-    return {name: axes.get(name, 1) for name in MESH_AXES}
+    return _in_order(axes)
+
+
+def _in_order(sizes: Mapping[str, int]) -> dict[str, int]:
+    """Every axis of `MESH_AXES`, and those of `OPTIONAL_AXES` above 1, in `AXES` order."""
+    return {
+        name: sizes.get(name, 1) for name in AXES if name in MESH_AXES or sizes.get(name, 1) > 1
+    }
 
 
 def refit_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
@@ -95,21 +112,21 @@ def refit_axis_sizes(axes: Mapping[str, int] | None, num_devices: int) -> dict[s
         return resolve_axis_sizes(axes, num_devices)
     absorber = free[0] if free else "data"
     sizes, left = {}, num_devices
-    for name in ("fsdp", "tensor", "data"):
+    for name in ("fsdp", "tensor", "expert", "context", "stage", "data"):
         if name != absorber:
             sizes[name] = math.gcd(axes.get(name, 1), left)
             left //= sizes[name]
     sizes[absorber] = left
-    return {name: sizes[name] for name in MESH_AXES}
+    return _in_order(sizes)
 
 
 def _checked_axes(axes: Mapping[str, int] | None) -> dict[str, int]:
     """``axes`` as a dict (``None``: ``{"data": -1}``); raises for unknown names, sizes
     that are neither positive nor -1, and more than one -1."""
     axes = dict({"data": -1} if axes is None else axes)
-    unknown = sorted(set(axes) - set(MESH_AXES))
+    unknown = sorted(set(axes) - set(AXES))
     if unknown:
-        raise ValueError(f"Unknown mesh axes {unknown}; the mesh axes are {list(MESH_AXES)}.")
+        raise ValueError(f"Unknown mesh axes {unknown}; the mesh axes are {list(AXES)}.")
     for name, size in axes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise ValueError(f"Mesh axis {name!r} has size {size!r}; use a positive int or -1.")
@@ -141,8 +158,8 @@ def build_mesh(
       devices or a whole topology's; a subset of this job's devices in their order.
     """
     if dcn_axes is not None:
-        array = hybrid_mesh_devices(axes, dcn_axes, devices)
-        return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        array, names = hybrid_mesh_devices(axes, dcn_axes, devices, with_names=True)
+        return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
     if devices is not None:
         devices = list(devices)
         if not devices:
@@ -161,7 +178,7 @@ def build_mesh(
         device_array = _create_device_mesh(shape, devices)
     else:
         device_array = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(device_array, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def _compile_only(devices: Sequence[jax.Device]) -> bool:
@@ -189,7 +206,9 @@ def hybrid_mesh_devices(
     ici_axes: Mapping[str, int] | None,
     dcn_axes: Mapping[str, int] | None,
     devices: Sequence[Any] | None = None,
-) -> np.ndarray:
+    *,
+    with_names: bool = False,
+) -> np.ndarray | tuple[np.ndarray, tuple[str, ...]]:
     """Devices laid out for a mesh that spans several TPU slices (or GPU hosts).
 
     The slow links between slices (DCN) carry only the ``dcn_axes``; inside a
@@ -207,7 +226,8 @@ def hybrid_mesh_devices(
 
     Returns:
       An object array of devices with shape ``(data, fsdp, tensor)`` for
-      ``jax.sharding.Mesh(array, MESH_AXES)``.
+      ``jax.sharding.Mesh(array, MESH_AXES)`` (with an optional axis above 1,
+      in `AXES` order); ``with_names``: ``(array, axis names)``.
 
     Raises:
       ValueError: the slices differ in size, or the axis sizes do not match them.
@@ -222,7 +242,8 @@ def hybrid_mesh_devices(
         raise ValueError(f"Slices hold different numbers of devices: {dict(slices)}.")
     dcn = resolve_axis_sizes(dcn_axes, len(slices))
     ici = resolve_axis_sizes(ici_axes, sizes.pop())
-    shapes = ([ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES])
+    names = tuple(a for a in AXES if a in ici or a in dcn)
+    shapes = ([ici.get(a, 1) for a in names], [dcn.get(a, 1) for a in names])
     try:
         array = mesh_utils.create_hybrid_device_mesh(
             *shapes, devices, process_is_granule=not by_slice
@@ -232,4 +253,5 @@ def hybrid_mesh_devices(
         array = mesh_utils.create_hybrid_device_mesh(
             *shapes, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
         )
-    return np.asarray(array, dtype=object)
+    array = np.asarray(array, dtype=object)
+    return (array, names) if with_names else array

@@ -150,7 +150,11 @@ class ReplicaPrograms:
                 "(step_path='compile' in the trainer), or give data or fsdp more devices.",
                 stacklevel=6,
             )
-        return set(DATA_AXES) if partial else set(mesh.axis_names)
+        # A pipeline's stages run manual too (`rp.pipeline` passes activations with
+        # ppermute over "stage"); parameters reach each stage whole.
+        if not partial:
+            return set(mesh.axis_names)
+        return set(DATA_AXES) | ({"stage"} & set(mesh.axis_names))
 
 
 class _Program:

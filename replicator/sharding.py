@@ -57,15 +57,22 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from replicator import mesh as mesh_lib
 from replicator.errors import ShardingError as ShardingError
 
 PyTree = Any
 Rule = tuple[str, Any]
 
-DEFAULT_RULES: tuple[Rule, ...] = (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"))
+DEFAULT_RULES: tuple[Rule, ...] = (
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("layers", "stage"),
+)
 """FSDP over the embedding width and Megatron-style tensor parallelism (the MLP's
 hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
-stay whole. Activations named with `replicator.activations.constrain` follow
+stay whole; a stack of layers splits over ``stage`` when the mesh has one
+(`replicator.pipeline`). Activations named with `replicator.activations.constrain` follow
 `replicator.activations.ACTIVATION_RULES` (the batch over ``data`` and ``fsdp``)."""
 
 MIN_SHARD_SIZE = 2**14
@@ -266,7 +273,8 @@ def _as_axes(entry: Any) -> tuple[str, ...]:
 
 def _known_axes(axes: tuple[str, ...], rule: Any, mesh: Mesh, problems: _Problems):
     for axis in axes:
-        if axis not in mesh.axis_names:
+        # An optional axis (stage, context, expert) is absent when it has size 1.
+        if axis not in mesh.axis_names and axis not in mesh_lib.OPTIONAL_AXES:
             problems.add(
                 "axis",
                 f"rule {tuple(rule)!r} names mesh axis {axis!r}, which the mesh does not "
@@ -289,7 +297,11 @@ def _place(path, value, names, logical, rules, mesh, small, by_default, used, pr
     if logical:
         used.update(r.index for r in rules if r.pattern is None and r.key in names)
     if small and by_default:
-        return Placement(path, shape, dtype, P(), (_SMALL,))
+        # Small parameters stay whole, but for the axes of a layer stack's schedule (a
+        # pipeline's "stage"): its stages hold their own layers, or gather them.
+        rules = [r for r in rules if r.pattern is None and _schedules(r.target)]
+        if not (logical and any(r.key in names for r in rules)):
+            return Placement(path, shape, dtype, P(), (_SMALL,))
 
     entries: list[tuple[str, ...]] = [()] * len(shape)
     why: list[str | None] = [None] * len(shape)  # the rule behind each dimension's split
@@ -334,6 +346,10 @@ def _place(path, value, names, logical, rules, mesh, small, by_default, used, pr
             "left replicated on every device",
         )
     return Placement(path, shape, dtype, _spec(entries), tuple(dict.fromkeys(reasons)))
+
+
+def _schedules(axes: tuple[str, ...]) -> bool:
+    return bool(axes) and set(axes) <= set(mesh_lib.OPTIONAL_AXES)
 
 
 def _logical_rule(name: str | None, rules: list[_Rule], taken: set[str]) -> _Rule | None:

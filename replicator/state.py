@@ -23,7 +23,7 @@ import optax
 from flax import struct
 
 from replicator import diloco, offload, optim, transforms, zero
-from replicator.context import get_replica_context
+from replicator.context import get_replica_context, remember_own_gradient
 from replicator.precision import LossScale, Policy, get_policy
 from replicator.transforms import all_finite as all_finite  # where the benchmarks import it
 
@@ -49,6 +49,12 @@ class TrainState:
         `apply_gradients` makes its sum ahead of the non-finite guard. (Under
         `Replicator.run`, `value_and_grad` keeps each replica's own gradients
         beside their sums either way: each parameter's is summed once.)
+      frozen: per leaf of ``params`` (``jax.tree.leaves`` order), whether it is
+        frozen, or None: `value_and_grad` differentiates the others only, so a
+        frozen leaf costs no backward pass and its gradient is zero (in the
+        gradient's norm and clipping it counts for nothing). ``tx`` must leave
+        it too (``optax.set_to_zero`` on it): a zero gradient still meets weight
+        decay and momentum.
     """
 
     step: jax.Array
@@ -60,6 +66,7 @@ class TrainState:
     skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.int32(0))
     grad_accum_steps: int = struct.field(pytree_node=False, default=1)
     per_replica_grads: bool = struct.field(pytree_node=False, default=False)
+    frozen: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -72,6 +79,7 @@ class TrainState:
         policy: Policy | str | None = None,
         loss_scale: LossScale | None = None,
         grad_accum_steps: int = 1,
+        frozen: PyTree = None,
     ) -> TrainState:
         """A fresh state at step 0.
 
@@ -85,6 +93,8 @@ class TrainState:
             (fp16) gets a dynamic `LossScale` unless ``loss_scale`` is given.
           loss_scale: an explicit loss scale.
           grad_accum_steps: microbatches per replica batch (see `value_and_grad`).
+          frozen: a tree of bools like ``params``: the parameters not to differentiate
+            (the ``frozen`` attribute), or None.
         """
         if policy is not None:
             policy = get_policy(policy)
@@ -100,6 +110,7 @@ class TrainState:
             loss_scale=loss_scale,
             grad_accum_steps=grad_accum_steps,
             per_replica_grads=optim.needs_replica_gradients(tx),
+            frozen=None if frozen is None else tuple(bool(f) for f in jax.tree.leaves(frozen)),
         )
 
     def value_and_grad(
@@ -135,11 +146,13 @@ class TrainState:
         # otherwise be all-reduced once per use by autodiff.
         k, scale, every = self.grad_accum_steps, self.loss_scale, True
         loss = transforms.scale_loss(_split_loss(loss_fn, self.model_state, has_aux), scale)
+        trained, loss, with_frozen = _trained_only(self.params, self.frozen, loss)
         grad_fn = transforms.accumulate_gradients(jax.grad(loss, has_aux=True), k)
-        if zero.defers_gradient_sum(self.params, every) or (k > 1 and get_replica_context()):
-            grad_fn = transforms.restore_invariance(grad_fn, loss, k, self.params)
+        if zero.defers_gradient_sum(trained, every) or (k > 1 and get_replica_context()):
+            grad_fn = transforms.restore_invariance(grad_fn, loss, k, trained)
         grad_fn = zero.defer_gradient_sum(transforms.unscale_gradients(grad_fn, scale), every)
-        grads, (value, new_state, aux) = grad_fn(self.params, batch)
+        grads, (value, new_state, aux) = grad_fn(trained, batch)
+        grads = with_frozen(grads)
         if self.model_state is not None:
             return (value, (new_state, aux) if has_aux else new_state), grads
         return ((value, aux) if has_aux else value), grads
@@ -206,6 +219,35 @@ def _split_loss(loss_fn: Callable, model_state: PyTree, has_aux: bool) -> Callab
         return loss, (loss, new_state, aux)
 
     return split
+
+
+def _trained_only(params: PyTree, frozen: tuple[bool, ...] | None, loss: Callable):
+    """The trained leaves of ``params``, ``loss`` as a function of them (the frozen ones
+    closed over: never differentiated, so XLA computes no backward pass for them),
+    and ``with_frozen(grads)``: their gradients with zeros for the frozen ones."""
+    if not frozen or not any(frozen):
+        return params, loss, lambda grads: grads
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(frozen):
+        raise ValueError(f"TrainState.frozen has {len(frozen)} entries for {len(leaves)} leaves.")
+
+    def merged(trained: list, fill: Callable) -> PyTree:
+        rest = iter(trained)
+        return treedef.unflatten([fill(x) if f else next(rest) for x, f in zip(leaves, frozen)])
+
+    def trained_loss(trained, batch):
+        return loss(merged(trained, lambda x: x), batch)
+
+    trained = [x for x, f in zip(leaves, frozen) if not f]
+    return trained, trained_loss, lambda grads: merged(grads, _zero_gradient)
+
+
+def _zero_gradient(x: jax.Array) -> jax.Array:
+    """A frozen parameter's gradient: zeros, this replica's own part of the sum too, so
+    that an aggregating optimizer (`optim.own_gradients`) sends nothing for it."""
+    zeros = jnp.zeros_like(x)
+    remember_own_gradient(zeros, zeros)
+    return zeros
 
 
 def _kept_model_state(new: PyTree, old: PyTree, finite: jax.Array, checked: bool) -> PyTree:

@@ -57,3 +57,34 @@ def bucket(gcs_server) -> str:
     from tests import gcs
 
     return gcs.new_bucket()
+
+
+# Slow on CI's 2 cores (10-25 s each) and held by faster tests of the same invariant, so
+# `make test` keeps under 15 minutes; `make test-slow` runs them.
+SLOW = (
+    "tests/test_ports.py::test_resnet_cross_replica_batchnorm_8_replicas_equal_1_device_and_compile",
+    "tests/test_configs.py::test_config_trains_two_steps[lm_tiny_diloco]",
+    "tests/test_configs.py::test_config_trains_two_steps[lm_8b]",
+    "tests/test_configs.py::test_gan_digits_logs_two_finite_losses",
+    "tests/test_diloco.py::test_trainer_resumes_exactly_and_evaluates_the_outer_parameters",
+    "tests/test_diloco.py::test_trainer_compile_path_trains_like_the_run_path",
+    "tests/test_profile.py::test_profile_steps_on_a_bucket_land_in_the_bucket",
+    "tests/test_multiprocess.py::test_elastic_islands_survive_a_killed_island_exactly",
+    "tests/test_multiprocess.py::test_diloco_islands_on_two_processes_train_like_one",
+    "tests/test_lm.py::test_a_chunked_loss_equals_the_whole_one_without_whole_logits[True]",
+    "tests/test_gan.py::test_microbatches_keep_the_model_state_mirrored",
+    "tests/test_eval_anywhere.py::test_eval_on_1_and_3_devices_equals_the_training_runs_eval[digits_cnn_diloco]",
+    "tests/test_gcs.py::test_init_from_a_run_on_a_bucket",
+    "tests/test_pipeline.py::test_gradient_accumulation_runs_the_schedule_per_microbatch[compile]",
+    "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[gan_digits-compile-mesh3-Dense_0]",
+    "tests/test_finetune.py::test_lr_mults_in_a_run_move_the_backbone_a_tenth_and_say_what_they_took",
+    "tests/test_checkpoint.py::test_every_item_of_a_step_restores_with_orbax_alone[local]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    del config
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -26,6 +26,7 @@ PUBLIC = [
     "grad_norm",
     "initialize",
     "narrow_sum",
+    "pipeline",
     "replica_key",
     "scale_regularization_loss",
 ]

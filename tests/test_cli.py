@@ -360,8 +360,8 @@ def test_more_mistakes_are_one_line(tmp_path, trained):
     assert_one_line_error(done, "unknown config mode 'smok'", "modes: smoke")
     done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.diloco.inner_steps=5")
     assert_one_line_error(done, "config.diloco is None", """--config.diloco="{'inner_steps'""")
-    done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.mesh=dict(data=2)")
-    assert_one_line_error(done, "write a Python literal")
+    done = run_cli("train", *SMOKE, "--workdir", workdir, "--config.mesh=data=2")
+    assert_one_line_error(done, "write a Python literal", '--config.mesh="dict(data=-1)"')
     done = run_cli("train", "--config", "configs/lm_tiny.py:smoke", "--workdir", workdir,
                    "--config.model.max_len=64")  # fmt: skip
     assert_one_line_error(done, "windows hold 128 tokens, above config.model.max_len=64")
@@ -375,6 +375,28 @@ def test_more_mistakes_are_one_line(tmp_path, trained):
         f.write('{"exper')
     for args in (["eval", "--workdir", copy], ["train", *SMOKE, "--workdir", copy]):
         assert_one_line_error(run_cli(*args), "config.json cannot be read as a run's config")
+
+
+def test_a_refused_command_writes_no_traceback_into_the_runs_log(trained, tmp_path):
+    """Refused once it logs into the run (a step with no checkpoint, a batch that does not
+    split): log.txt gains the header and the one line the terminal shows, no traceback."""
+    copy = tmp_path / "copy"
+    shutil.copytree(trained[0], copy)
+    checkpoints = sorted(os.listdir(copy / "checkpoints"))
+    log = (copy / "log.txt").read_text()
+    for args, expected in [
+        (["eval", "--workdir", str(copy), "--step", "999"], "No checkpoint for step 999"),
+        (["train", *SMOKE, "--workdir", str(copy), trained[2], "--config.batch_size=33",
+          "--config.model.dense_features=32"], "does not split evenly"),
+    ]:  # fmt: skip
+        done = run_cli(*args)  # (eval's line naming the config it read comes first)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert expected in lines(done.stderr)[-1]
+        added = (copy / "log.txt").read_text()[len(log) :]
+        assert "Traceback" not in added
+        assert added.startswith("==== ") and lines(added)[-1] == lines(done.stderr)[-1]
+        log += added
+    assert sorted(os.listdir(copy / "checkpoints")) == checkpoints
 
 
 def test_eval_follow_prints_one_json_line_per_result(trained):

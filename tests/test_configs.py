@@ -128,6 +128,8 @@ OVERRIDES = {
     "precision": "fp16",
     "matmul_precision": "highest",
     "remat_policy": "full",
+    "pipeline_microbatches": "4",
+    "pipeline_repeats": "2",
     "offload_optimizer_state": "True",
     "nonfinite": "skip",
     "step_path": "compile",
@@ -153,6 +155,10 @@ OVERRIDES = {
     "freeze": "Dense_0",
     "init_from": "/tmp/elsewhere:7",
     "init_from_rules": "(('^params/a/', 'params/b/'),)",
+    "init_from_skip": "^params/Dense_1/",
+    "lr_mults": "(('Dense_0', 0.5), ('kernel', 2))",
+    "lr_base_batch_size": "256",
+    "lr_batch_scaling": "sqrt",
     "writers": "('tensorboard', 'wandb')",
 }
 

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from replicator import storage
-from replicator.runtime import launch, preflight, tpu, worker
+from replicator.runtime import bundle as bundles
+from replicator.runtime import launch, preflight, tpu, worker, worker_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run"]
@@ -48,8 +49,10 @@ def own_tmp(tmp_path, monkeypatch):
 
 
 def test_the_doctests():
-    assert doctest.testmod(tpu).failed == 0
-    assert doctest.testmod(preflight).failed == 0
+    from replicator.runtime import rehearse, shared_paths, slurm
+
+    for module in (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 # ---------------------------------------------------------------- dry runs: the exact commands
@@ -60,7 +63,7 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
     where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--project", "proj", "--python", "3.11"]
     assert launch.main(["tpu", *where, "--dry-run", "--", *TRAIN]) == 0
     out = capsys.readouterr().out
-    digest = tpu.plan_bundle(TRAIN).digest
+    digest = bundles.plan_bundle(TRAIN).digest
     bundle = f"replicator-{digest}.tar.gz"
     preflight, out = out.split("\n", 1)  # without --accelerator-type a dry run says how
     assert preflight.startswith(
@@ -68,32 +71,41 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
         "describe my-pod --zone=us-east5-a --project=proj '--format=value(acceleratorType)')"
     ), preflight
     assert out.startswith(f"# bundle {bundle}: ")
-    scp, setup, start = printed_commands(out)
+    env = worker_env.plan_environment(ROOT, "3.11")
+    assert f"\n# environment py3.11-{env.digest}: Python 3.11 (uv), " in out
+    probe, scp, setup, start = printed_commands(out)
     assert scp == [
         "gcloud", "compute", "tpus", "tpu-vm", "scp", f"{own_tmp}/{bundle}", f"my-pod:{bundle}",
         "--worker=all", "--zone=us-east5-a", "--project=proj",
     ]  # fmt: skip
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--worker=all"]
-    assert setup[:-1] == start[:-1] == [*ssh, "--zone=us-east5-a", "--project=proj"]
+    assert probe[:-1] == setup[:-1] == start[:-1] == [*ssh, "--zone=us-east5-a", "--project=proj"]
+    probe = script_of(probe)  # asked first: is the environment there, and if not, reachable?
+    assert f'env="$HOME/.replicator/envs/py3.11-{env.digest}"' in probe
+    assert 'need="pypi.org files.pythonhosted.org"' in probe
     setup = script_of(setup)
     for line in (
         f'bundle="$HOME/.replicator/bundles/{digest}"',
-        'venv="$bundle/venv-py3.11"',
+        f'env="$HOME/.replicator/envs/py3.11-{env.digest}"',  # keyed by the dependencies
         'if [ ! -d "$bundle" ]; then',  # unpacked once per bundle
         f'tar -xzf "$HOME/{bundle}" -C "$bundle.part"',
-        'if [ ! -f "$venv/installed" ]; then',  # installed once per bundle
-        'uv venv --quiet --python 3.11 "$venv"',
-        'uv pip install --quiet --python "$venv/bin/python" -e "$bundle/project[tpu]"',
-        'touch "$venv/installed"',
+        'if [ ! -f "$env/installed" ]; then',  # installed once per dependency spec
+        'uv venv --quiet --python 3.11 "$env"',
+        'uv pip install --quiet --python "$env/bin/python" -r "$bundle/project/pyproject.toml" '
+        "--extra tpu",
+        'touch "$env/installed"',
+        'echo "$env" > "$bundle/env"',
     ):
         assert line in setup, line
     start = script_of(start)
     for line in (
         'if [ -f "$job/pid" ] && kill -0 -- "-$(cat "$job/pid")" 2>/dev/null; then',
+        'old=$(cd "$HOME/.replicator/bundles" && ls -1t | grep -v "[.]part$" | tail -n +4)',
         "held=$(ls -d /dev/accel* /dev/vfio/* 2>/dev/null || true)",
         "sudo -n rm -f /tmp/libtpu_lockfile 2>/dev/null || rm -f /tmp/libtpu_lockfile || true",
+        'export PYTHONPATH="$bundle/project"',
         'cd "$bundle/project"',  # run from the project root: configs/digits_cnn.py is there
-        'setsid nohup "$bundle/venv-py3.11/bin/python" -m replicator.runtime.worker '
+        'setsid nohup "$env/bin/python" -m replicator.runtime.worker '
         '--pid-file "$job/pid" --log "$job/worker.log" --log-dir gs://bucket/run/launch -- '
         "train --config configs/digits_cnn.py --workdir gs://bucket/run "
         '> "$job/supervisor.out" 2>&1 < /dev/null &',
@@ -107,12 +119,12 @@ def test_tpu_dry_run_on_two_slices(monkeypatch, capsys, own_tmp):
     train = ["train", "--config", "configs/lm_tiny.py", "--workdir", "gs://bucket/lm"]
     where = ["--tpu", "my-qr", "--zone", "us-east5-a", "--slices", "2", "--python", "3.11"]
     assert launch.main(["tpu", *where, "--restarts", "3", "--dry-run", "--", *train]) == 0
-    scp, setup, start = printed_commands(capsys.readouterr().out)
-    bundle = tpu.plan_bundle(train).name
+    probe, scp, setup, start = printed_commands(capsys.readouterr().out)
+    bundle = bundles.plan_bundle(train).name
     qr = ["gcloud", "compute", "tpus", "queued-resources"]
     everywhere = ["--worker=all", "--node=all", "--zone=us-east5-a"]
     assert scp == [*qr, "scp", f"{own_tmp}/{bundle}", f"my-qr:{bundle}", *everywhere]
-    assert setup[:-1] == start[:-1] == [*qr, "ssh", "my-qr", *everywhere]
+    assert probe[:-1] == setup[:-1] == start[:-1] == [*qr, "ssh", "my-qr", *everywhere]
     (run_line,) = [line for line in script_of(start) if line.startswith("setsid nohup")]
     job = run_line.split(" -- ", 1)[1].split(" > ", 1)[0]
     assert job == (
@@ -150,11 +162,39 @@ def test_tpu_dry_run_runs_a_python_script(monkeypatch, capsys, own_tmp):
         == 0
     )
     (run_line,) = [
-        line for line in script_of(printed_commands(capsys.readouterr().out)[2])
+        line for line in script_of(printed_commands(capsys.readouterr().out)[3])
         if line.startswith("setsid nohup")
     ]  # fmt: skip
     # No --workdir: the log stays on each worker; the worker runs python as its own.
     assert '"$job/worker.log" -- python my_script.py --out "gs://bucket/x y" >' in run_line
+
+
+# ---------------------------------------------------------------- paths a pod's workers share
+
+
+def test_a_local_workdir_on_a_pod_of_several_workers_is_one_line(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    local = ["train", "--config", "configs/digits_cnn.py", "--workdir", "runs/x"]
+    where = ["tpu", "--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run", "--no-preflight"]
+    for options, command, said in [
+        (["--accelerator-type", "v4-32"], local, "but the 4 workers of my-pod (v4-32) share no "
+         "disk"),
+        (["--slices", "2"], local, "but the 2 workers of my-pod share no disk"),
+        ([], local, "and how many my-pod has is unknown here"),  # a dry run: say how to tell
+        (["--accelerator-type", "v5litepod-16"], [*TRAIN, "--config.data_dir=/data/tfds"],
+         "--config.data_dir /data/tfds is a local path, but the 4 workers"),
+    ]:  # fmt: skip
+        assert launch.main([*where, *options, "--", *command]) == 2
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert line.startswith("error: ") and said in line, line
+        assert "gs:// path" in line and "--allow-local-workdir" in line, line
+        assert "gcloud" not in captured.out  # refused before anything
+    # One worker keeps its own disk; --allow-local-workdir runs it anyway.
+    for options in (["--accelerator-type", "v4-8"], ["--slices", "2", "--allow-local-workdir"]):
+        assert launch.main([*where, *options, "--", *local]) == 0
+        assert "gcloud compute tpus" in capsys.readouterr().out
+    assert not list(own_tmp.iterdir())
 
 
 # ---------------------------------------------------------------- the pre-flight compile
@@ -221,10 +261,10 @@ def test_tpu_dry_run_from_an_experiment_directory(tmp_path, monkeypatch, capsys,
     out = capsys.readouterr().out
     assert sorted(p for p in tmp_path.rglob("*")) == before  # the dry run wrote nothing
 
-    bundle = tpu.plan_bundle(command)
+    bundle = bundles.plan_bundle(command)
     assert f"# bundle {bundle.name}: " in out and "helper.py, lib/__init__.py, my_config.py" in out
     assert 'cd "$bundle/work"' in out  # the command runs in the image of this directory
-    path = tpu.write_bundle(bundle, tmp_path / bundle.name)
+    path = bundles.write_bundle(bundle, tmp_path / bundle.name)
     with tarfile.open(path) as tar:
         names = set(tar.getnames())
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
@@ -235,7 +275,7 @@ def test_tpu_dry_run_from_an_experiment_directory(tmp_path, monkeypatch, capsys,
     assert work == {"work", "work/my_config.py", "work/helper.py", "work/lib/__init__.py"}
     for name in names:
         assert not any(part in (".venv", "runs", "__pycache__") for part in name.split("/"))
-    again = tpu.write_bundle(tpu.plan_bundle(command), tmp_path / "again.tar.gz")
+    again = bundles.write_bundle(bundles.plan_bundle(command), tmp_path / "again.tar.gz")
     assert again.read_bytes() == path.read_bytes()  # the same files, the same bundle
 
 
@@ -328,12 +368,18 @@ if args[3] == "scp":
     shutil.copy(args[4], os.path.join(home, args[5].split(":", 1)[1]))
     sys.exit(0)
 (script,) = [a[len("--command="):] for a in args if a.startswith("--command=")]
+if "replicator-probe" in script and "FAKE_PROBE_OUTPUT" in os.environ:  # a pod's answers
+    print(os.environ["FAKE_PROBE_OUTPUT"])
+    sys.exit(0)
 sys.exit(subprocess.run(["bash", "-c", script], env={{**os.environ, "HOME": home}}).returncode)
 """
 
 # uv for tests: a "virtualenv" that is this one (no download, no install).
 FAKE_UV = """#!/bin/sh
 echo "uv $*" >> "$FAKE_CALLS"
+if [ "$1 $2" = "python find" ]; then
+  [ -z "$FAKE_NO_PYTHON" ]; exit
+fi
 if [ "$1" = venv ]; then
   for venv; do :; done
   mkdir -p "$venv/bin" && cp "{prefix}/pyvenv.cfg" "$venv/"
@@ -342,14 +388,24 @@ fi
 """
 
 
+# curl for tests: every host answers but those in FAKE_UNREACHABLE (a worker without NAT).
+FAKE_CURL = """#!/bin/sh
+for url; do :; done
+host=${url#https://}; host=${host%%/*}
+case " $FAKE_UNREACHABLE " in *" $host "*) exit 7;; esac
+"""
+
+
 @pytest.fixture
 def fake_cloud(tmp_path, monkeypatch):
-    """gcloud and uv on PATH that run everything on this machine; returns the calls file."""
+    """gcloud, uv and curl on PATH that run everything on this machine; returns the calls
+    file."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (
         ("gcloud", FAKE_GCLOUD.format(python=sys.executable)),
         ("uv", FAKE_UV.format(prefix=sys.prefix)),
+        ("curl", FAKE_CURL),
     ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -374,6 +430,193 @@ def test_gcloud_without_an_account_is_a_one_line_error(tmp_path, fake_cloud, own
     ]
     assert fake_cloud.read_text() == "auth list --filter=status:ACTIVE --format=value(account)\n"
     assert not list(own_tmp.iterdir()) and not list((tmp_path / "worker_home").iterdir())
+
+
+# ---------------------------------------------------------------- the workers' environment
+
+
+def test_workers_that_cannot_reach_pypi_are_refused_in_one_line(
+    monkeypatch, capsys, fake_cloud, own_tmp
+):
+    """Internal IP addresses only, no Cloud NAT: the probe's answers (four workers, as
+    gcloud prints them) name what is missing, and nothing is copied."""
+    monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    monkeypatch.chdir(ROOT)
+    cut_off = "env=no python=download uv=no unreachable=files.pythonhosted.org,github.com,pypi.org"
+    answers = [f"replicator-probe host=t1v-w-{i} {cut_off}" for i in range(3)]
+    answers += ["replicator-probe host=t1v-w-3 env=yes"]
+    monkeypatch.setenv("FAKE_PROBE_OUTPUT", "\n".join(["Using ssh batch size of 4.", *answers]))
+    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", "3.11", "--no-preflight"]
+    assert launch.main([*where, "--", *TRAIN]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "error: 3 of 4 workers (t1v-w-0, t1v-w-1 ...) of my-pod cannot reach "
+        "files.pythonhosted.org, pypi.org (PyPI: the packages, uv) and github.com (uv's "
+        "CPython 3.11) to install the environment: give their network a way out (Cloud NAT), "
+        "or bring what they need: --wheels (the packages, downloaded here and shipped) with "
+        "--python PATH (an interpreter installed on every worker)"
+    )
+    calls = fake_cloud.read_text().splitlines()
+    assert calls[1:] == ["compute tpus tpu-vm ssh my-pod"]  # the probe only: no scp
+    assert not list(own_tmp.iterdir())
+
+
+def test_the_probe_on_a_worker_says_what_it_lacks(tmp_path, monkeypatch, capsys, fake_cloud):
+    """The probe itself, on a worker (this machine) whose curl reaches nothing."""
+    monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    monkeypatch.setenv("FAKE_UNREACHABLE", "pypi.org files.pythonhosted.org github.com")
+    monkeypatch.setenv("FAKE_NO_PYTHON", "1")  # uv finds no CPython 3.42
+    monkeypatch.chdir(tmp_path)
+    where = ["tpu", "--tpu", "p", "--zone", "z"]
+    for options, said in [
+        (["--python", "3.42"], "cannot reach files.pythonhosted.org, pypi.org (PyPI: the "
+         "packages, uv) and github.com (uv's CPython 3.42)"),
+        (["--python", "3.42", "--wheels"], "cannot reach github.com (uv's CPython 3.42) to "
+         "install the environment: give their network a way out (Cloud NAT), or bring what "
+         "they need: --python PATH"),
+        (["--python", "/no/python3"], "--python /no/python3: 1 of 1 workers"),
+        (["--python", sys.executable], "cannot reach files.pythonhosted.org, pypi.org"),
+    ]:  # fmt: skip
+        assert launch.main([*where, *options, "--", "python", "job.py"]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert said in line, line
+    assert "no such interpreter there" in launch_error([*where, "--python", "/no/python3"])
+    assert not list((tmp_path / "worker_home").iterdir())  # nothing copied, nothing installed
+
+
+def launch_error(argv):
+    with pytest.raises(tpu.LaunchError) as e:
+        launch._launch_tpu(launch._parser().parse_args(argv), ["python", "job.py"])
+    return str(e.value)
+
+
+def write_hello(directory: pathlib.Path, text: str) -> list[str]:
+    directory.mkdir(exist_ok=True)
+    (directory / "hello.py").write_text(f"print({text!r}, flush=True)\n")
+    return ["python", "hello.py"]
+
+
+def wait_for_job(home: pathlib.Path, text: str) -> None:
+    log = home / ".replicator" / "job" / "worker.log"
+    ended = "the command exited with status 0"  # this run's: an old log has another text
+    wait_for(lambda: log.is_file() and all(t in log.read_text() for t in (text, ended)))
+
+
+def test_wheels_and_a_preinstalled_python_need_no_internet(
+    tmp_path, monkeypatch, capfd, fake_cloud, own_tmp
+):
+    """--wheels --python PATH on a worker that reaches nothing: the wheels are downloaded
+    here for the workers' Python (the probe's answer), shipped, installed offline, then
+    removed; a second launch finds the environment and ships no wheels."""
+    monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    monkeypatch.setenv("FAKE_UNREACHABLE", "pypi.org files.pythonhosted.org github.com")
+    home = tmp_path / "worker_home"
+    downloads = []
+
+    def download_wheels(env, version):
+        downloads.append(version)
+        (tmp_path / "wheels").mkdir(exist_ok=True)
+        for name in ("uv-0.9-py3-none-any.whl", "jax-0.10.2-py3-none-any.whl"):
+            (tmp_path / "wheels" / name).write_text("")
+        return tmp_path / "wheels"
+
+    monkeypatch.setattr(worker_env, "download_wheels", download_wheels)
+    command = write_hello(tmp_path / "experiment", "hello offline")
+    monkeypatch.chdir(tmp_path / "experiment")
+    where = ["tpu", "--tpu", "p", "--zone", "z", "--wheels", "--python", sys.executable]
+    assert launch.main([*where, "--", *command]) == 0
+    wait_for_job(home, "hello offline")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert downloads == [version]  # for the Python the workers have
+    env = worker_env.plan_environment(ROOT, sys.executable, wheels=True)
+    env_dir, wheels = (f"{home}/.replicator/{kind}/{env.name}" for kind in ("envs", "wheels"))
+    calls = fake_cloud.read_text().splitlines()
+    assert f"uv venv --quiet --python {sys.executable} {env_dir}" in calls
+    assert (
+        f"uv pip install --quiet --offline --no-index --find-links {wheels} --python "
+        f"{env_dir}/bin/python -r {home}/.replicator/bundles/"
+    ) in "\n".join(calls)
+    assert [c.split()[:4] for c in calls if " scp " in f" {c} "] == [
+        ["compute", "tpus", "tpu-vm", "scp"]
+    ] * 2  # the bundle and the wheels
+    assert not os.path.exists(wheels) and not list(home.glob("*.tar*"))  # installed: gone
+    assert not list(own_tmp.iterdir())
+
+    fake_cloud.write_text("")
+    capfd.readouterr()
+    assert launch.main([*where, "--", *command]) == 0
+    assert "# 1 of 1 workers have environment " in capfd.readouterr().out
+    calls = fake_cloud.read_text().splitlines()
+    assert sum(" scp " in f" {c} " for c in calls) == 1 and not any("uv" in c for c in calls)
+    assert downloads == [version]
+    wait_for_job(home, "hello offline")
+
+
+def test_wheels_dry_run_prints_the_download_and_the_offline_install(monkeypatch, capsys, own_tmp):
+    monkeypatch.chdir(ROOT)
+    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", "3.11", "--wheels"]
+    assert launch.main([*where, "--dry-run", "--no-preflight", "--", *TRAIN]) == 0
+    out = capsys.readouterr().out
+    env = worker_env.plan_environment(ROOT, "3.11", wheels=True)
+    (download,) = [line for line in out.splitlines() if "pip download" in line]
+    for word in (
+        "--platform=manylinux_2_35_x86_64",
+        "--platform=manylinux2014_x86_64",
+        "--python-version=3.11",
+        "--only-binary=:all:",
+        "uv",
+    ):
+        assert word in download.split(), word
+    probe, scp, wheels, setup, _ = printed_commands(out)
+    assert wheels[5:7] == [f"{own_tmp}/{env.wheelhouse}", f"my-pod:{env.wheelhouse}"]
+    assert "pypi.org" not in "\n".join(script_of(probe))  # the wheels bring uv and packages
+    setup = script_of(setup)
+    for line in (
+        f'tar -xf "$HOME/{env.wheelhouse}" -C "$wheels"',
+        'python3 -m zipfile -e "$1" "$wheels/.uv"',  # uv from its wheel, where there is none
+        'uv pip install --quiet --offline --no-index --find-links "$wheels" --python '
+        '"$env/bin/python" -r "$bundle/project/pyproject.toml" --extra tpu',
+        f'rm -rf "$HOME/{env.wheelhouse}" "$HOME/.replicator/wheels/{env.name}"',
+    ):
+        assert line in setup, line
+    assert not list(own_tmp.iterdir())
+
+
+def test_a_code_edit_reuses_the_environment_and_old_bundles_go(
+    tmp_path, monkeypatch, capfd, fake_cloud, own_tmp
+):
+    """The environment is keyed by the dependency spec: two code edits, two bundles, one
+    install; each worker keeps the newest --keep-bundles bundles, and an environment no
+    kept bundle uses goes with them."""
+    monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    home = tmp_path / "worker_home"
+    monkeypatch.chdir(tmp_path)
+    where = ["tpu", "--tpu", "p", "--zone", "z", "--keep-bundles", "1"]
+    digests = []
+    for edit in range(2):
+        command = write_hello(tmp_path / "experiment", f"edit {edit}")
+        monkeypatch.chdir(tmp_path / "experiment")
+        assert launch.main([*where, "--", *command]) == 0
+        wait_for_job(home, f"edit {edit}")
+        digests.append(bundles.plan_bundle(command).digest)
+    assert len(set(digests)) == 2
+    installs = [c for c in fake_cloud.read_text().splitlines() if c.startswith("uv pip install")]
+    assert len(installs) == 1  # one dependency spec, one install
+    assert sorted(os.listdir(home / ".replicator" / "bundles")) == sorted(digests[1:])
+    assert f"removed bundle {digests[0]}" in capfd.readouterr().out
+    (first_env,) = os.listdir(home / ".replicator" / "envs")
+
+    # New dependencies: a new environment; once no kept bundle uses the old one, it goes.
+    spec = worker_env.dependency_spec
+    monkeypatch.setattr(worker_env, "dependency_spec", lambda p: (*spec(p), "einops"))
+    command = write_hello(tmp_path / "experiment", "new dependencies")
+    assert launch.main([*where, "--", *command]) == 0
+    wait_for_job(home, "new dependencies")
+    installs = [c for c in fake_cloud.read_text().splitlines() if c.startswith("uv pip install")]
+    assert len(installs) == 2
+    (env,) = os.listdir(home / ".replicator" / "envs")
+    assert env != first_env and f"removed environment {first_env}" in capfd.readouterr().out
+    assert os.listdir(home / ".replicator" / "bundles") == [bundles.plan_bundle(command).digest]
 
 
 # ---------------------------------------------------------------- the worker supervisor, for real
@@ -408,6 +651,7 @@ def test_launch_tpu_starts_a_detached_job_that_stop_ends(
     reaches the worker's log and the workdir, a second start is refused, and stop
     ends it with SIGTERM and frees the TPU."""
     monkeypatch.setenv("FAKE_ACCOUNT", "me@example.com")
+    monkeypatch.setenv("FAKE_ACCELERATOR", "v4-8")  # one worker: a local workdir is its own
     monkeypatch.setattr(tpu, "TPU_DEVICES", str(tmp_path / "accel*"))
     lockfile = tmp_path / "libtpu_lockfile"
     monkeypatch.setattr(tpu, "TPU_LOCKFILE", str(lockfile))
@@ -430,7 +674,7 @@ def test_launch_tpu_starts_a_detached_job_that_stop_ends(
         assert not lockfile.exists()  # the TPU was freed before the start
         assert not list(own_tmp.iterdir())  # the local tarball is gone
 
-        digest = tpu.plan_bundle(command).digest
+        digest = bundles.plan_bundle(command).digest
         assert f"job: hello in {tmp_path}/worker_home/.replicator/bundles/{digest}/work" in (
             (job_dir / "worker.log").read_text()
         )
@@ -517,9 +761,9 @@ def test_worker_name_off_a_tpu_vm_is_the_host_name(monkeypatch):
 
 
 def test_without_git_the_source_tree_is_walked(monkeypatch):
-    with_git = tpu.project_files(ROOT)
+    with_git = bundles.project_files(ROOT)
     monkeypatch.setenv("PATH", "")
-    walked = tpu.project_files(ROOT)
+    walked = bundles.project_files(ROOT)
     hidden = [n for n in with_git if any(d.startswith(".") for d in n.split("/")[:-1])]
     assert walked == [n for n in with_git if n not in hidden]
     assert "replicator/runtime/tpu.py" in walked and "pyproject.toml" in walked

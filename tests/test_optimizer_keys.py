@@ -235,6 +235,10 @@ BAD = [
      ["'optimizer_args' has ['momentum']", "optax.adam takes"]),
     (["--config.init_from=/nonexistent/run"], ["config.init_from='/nonexistent/run'"]),
     (["--config.weight_decay_mask=kernel"], ["'weight_decay' is 0: nothing is decayed"]),
+    (["--config.lr_mults=(('^nothing', 0.1),)"], ["('^nothing', 0.1) takes no parameter",
+                                                  "Dense_0/kernel"]),
+    (["--config.lr_batch_scaling=cube", "--config.lr_base_batch_size=32"],
+     ["'lr_batch_scaling'='cube' is not one of"]),
 
 ]  # fmt: skip
 

@@ -230,6 +230,7 @@ def test_launch_tpu_refuses_a_run_that_does_not_fit(tmp_path, digits_data_dir):
     train = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run",
              f"--config.data_dir={digits_data_dir}"]  # fmt: skip
     where = ["launch", "tpu", "--tpu", "my-pod", "--zone", "z", "--dry-run"]
+    where.append("--allow-local-workdir")  # the local data_dir: the pre-flight is tested here
     env_home = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-m", "replicator", *where, "--accelerator-type", "v5litepod-16",

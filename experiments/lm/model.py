@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from replicator import attention as attention_lib
 from replicator import remat as remat_lib
 from replicator.activations import constrain
+from replicator.pipelining import pipeline, stage_count
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 # The activations' logical axes (MaxText's names): the rules table shards them under
@@ -304,6 +305,8 @@ class Transformer(nn.Module):
     remat_policy: str | None = None
     scan_layers: bool = True
     loss_chunk: int | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
     dtype: Any = None
 
     def _blocks(self, x_BxTxE: jax.Array, train: bool) -> jax.Array:
@@ -325,8 +328,25 @@ class Transformer(nn.Module):
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxTxE, _ = stack(**kwargs, scanned=True, name="blocks")(x_BxTxE, None)
-        return x_BxTxE
+        blocks = stack(**kwargs, scanned=True, name="blocks")
+        if self.is_initializing() or stage_count() == 1:
+            x_BxTxE, _ = blocks(x_BxTxE, None)
+            return x_BxTxE
+        # Over a "stage" axis: the same stacked parameters, one block per layer_fn call.
+        if self.dropout_rate and train:
+            raise ValueError("A pipeline does not run dropout yet: set dropout_rate=0.")
+        stacked = nn.meta.unbox(self.variables["params"]["blocks"])
+
+        def layer_fn(params, h):
+            return block(**kwargs).apply({"params": params}, h)
+
+        return pipeline(
+            layer_fn,
+            stacked,
+            x_BxTxE,
+            microbatches=self.pipeline_microbatches or stage_count(),
+            repeats=self.pipeline_repeats,
+        )
 
     def __post_init__(self):
         if self.embed_dim % self.num_heads:
@@ -340,6 +360,9 @@ class Transformer(nn.Module):
                 f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
             )
         remat_lib.check_policy(self.remat_policy)
+        if self.pipeline_microbatches is not None or self.pipeline_repeats != 1:
+            if not self.scan_layers:
+                raise ValueError("A pipeline runs the stacked blocks: keep scan_layers=True.")
         super().__post_init__()
 
     @nn.compact

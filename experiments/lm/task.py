@@ -77,8 +77,11 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
 
 
-def make_model(model_kwargs: Mapping[str, Any], remat_policy: str | None = None) -> Transformer:
-    """The `Transformer` from the config's ``model`` dict and ``remat_policy``."""
+def make_model(
+    model_kwargs: Mapping[str, Any], remat_policy: str | None = None, **pipeline: Any
+) -> Transformer:
+    """The `Transformer` from the config's ``model`` dict, ``remat_policy`` and
+    ``pipeline_microbatches`` / ``pipeline_repeats``."""
     if "warmup_steps" in model_kwargs:
         raise ConfigError(
             "config.model.warmup_steps is a config key of its own now: config.warmup_steps "
@@ -91,7 +94,7 @@ def make_model(model_kwargs: Mapping[str, Any], remat_policy: str | None = None)
             "or 'minimal_offloaded'"
         )
     try:
-        return Transformer(**model_kwargs, remat_policy=remat_policy)
+        return Transformer(**model_kwargs, remat_policy=remat_policy, **pipeline)
     except ValueError as e:  # the model's own checks of its sizes
         raise ConfigError(f"config.model: {e}") from None
     except TypeError as e:
@@ -114,7 +117,12 @@ def make_experiment(settings: Settings) -> Experiment:
     Train records and eval records report ``loss`` (nats per real token) and
     ``perplexity = exp(loss)``; throughput counts ``max_len`` tokens per example.
     """
-    network = make_model(settings.model, settings.remat_policy)
+    network = make_model(
+        settings.model,
+        settings.remat_policy,
+        pipeline_microbatches=settings.pipeline_microbatches,
+        pipeline_repeats=settings.pipeline_repeats,
+    )
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
 

@@ -2,7 +2,9 @@
 
 ``python -m replicator launch local --processes 2 --devices-per-process 4 -- COMMAND``
 starts the processes on 127.0.0.1 with fake CPU devices and gloo collectives:
-the code path of a real pod, on one machine. ``launch tpu`` ships the project to
+the code path of a real pod, on one machine; with ``--gcs`` they share no disk,
+only the buckets of a local GCS server, as a pod's workers
+(`replicator.runtime.rehearse`). ``launch tpu`` ships the project to
 every worker of a Cloud TPU pod and starts the command there, detached
 (`replicator.runtime.tpu`); ``launch slurm`` submits an sbatch job. Both print
 their commands (``--dry-run``: only print them); there JAX's own cluster
@@ -17,6 +19,7 @@ my_script.py ARGS`` for a custom loop that calls ``rp.initialize()`` first; see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
@@ -28,9 +31,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from replicator.runtime import preflight, tpu
+from replicator.runtime import preflight, rehearse, shared_paths, slurm, tpu
 from replicator.runtime.processes import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 USAGE_ERROR = 2  # the exit status of a launch that cannot go ahead, as the CLI's
@@ -95,6 +98,7 @@ def launch_local(
     python: str = sys.executable,
     elastic: bool = False,
     restarts: int = 0,
+    env_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> int:
     """Runs ``command`` (see `resolve_command`) as ``processes`` local processes.
 
@@ -115,11 +119,15 @@ def launch_local(
     its own), e.g. after a sync timeout of elastic islands or the loss of
     process 0.
 
+    ``env_of(i)`` gives variables of process ``i``'s own (``launch local --gcs``:
+    the local GCS server's and a private disk, `replicator.runtime.rehearse`).
+
     Returns:
       0 if every process succeeded (elastic: process 0 and every process that
       did not die of a signal), else the first failure's exit code (or 1).
     """
-    code = _launch_once(command, processes, devices_per_process, grace_s, python, elastic)
+    once = functools.partial(_launch_once, env_of=env_of)
+    code = once(command, processes, devices_per_process, grace_s, python, elastic)
     for attempt in range(1, restarts + 1):
         if code == 0:
             break
@@ -129,11 +137,13 @@ def launch_local(
             file=sys.stderr,
             flush=True,
         )
-        code = _launch_once(command, processes, devices_per_process, grace_s, python, elastic)
+        code = once(command, processes, devices_per_process, grace_s, python, elastic)
     return code
 
 
-def _launch_once(command, processes, devices_per_process, grace_s, python, elastic) -> int:
+def _launch_once(
+    command, processes, devices_per_process, grace_s, python, elastic, env_of=None
+) -> int:
     argv = resolve_command(command, python)
     port = free_port_pair()
     env = dict(os.environ)
@@ -153,7 +163,7 @@ def _launch_once(command, processes, devices_per_process, grace_s, python, elast
     for i in range(processes):
         proc = subprocess.Popen(
             argv,
-            env={**env, ENV_PROCESS_ID: str(i)},
+            env={**env, **(env_of(i) if env_of else {}), ENV_PROCESS_ID: str(i)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -255,46 +265,13 @@ def _prefix_lines(stream, prefix: str) -> None:
         sys.stdout.flush()
 
 
-def slurm_script(
-    command: Sequence[str],
-    *,
-    nodes: int,
-    gpus_per_node: int,
-    process_per_gpu: bool = True,
-    job_name: str = "replicator",
-    time_limit: str = "24:00:00",
-    python: str = ".venv/bin/python",
-) -> str:
-    """An sbatch script running ``command`` (see `resolve_command`) on ``nodes`` nodes.
-
-    One process per GPU by default (one per node with ``process_per_gpu=False``);
-    JAX reads the process ids, the count and the coordinator from SLURM's
-    variables. ``--signal`` asks SLURM for a SIGTERM two minutes before the time
-    limit, which replicator turns into a checkpoint.
-    """
-    tasks = gpus_per_node if process_per_gpu else 1
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={tasks}",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        f"#SBATCH --time={time_limit}",
-        "#SBATCH --signal=TERM@120",
-        "#SBATCH --output=%x-%j.out",
-        "set -euo pipefail",
-        f"srun --kill-on-bad-exit=1 {shlex.join(resolve_command(command, python))}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
 _COMMAND_HELP = """\
 COMMAND after -- is what every process runs:
   train|eval|plot ARGS    python -m replicator train|eval|plot ARGS
   python SCRIPT ARGS      any Python program, e.g. a custom loop that calls
                           rp.initialize() first; `python`/`python3` become this
                           interpreter locally (sys.executable, so the virtualenv
-                          is used), the bundle's virtualenv on TPU VMs and
+                          is used), the environment's on TPU VMs and
                           .venv/bin/python under SLURM
   ANY OTHER COMMAND       run as given
 
@@ -303,6 +280,8 @@ examples:
       train --config configs/digits_cnn.py --workdir runs/digits_2x4
   python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
       python my_script.py ARGS
+  python -m replicator launch local --processes 2 --gcs -- \\
+      train --config configs/digits_cnn.py --workdir gs://rehearsal/digits
   python -m replicator launch tpu --tpu my-pod --zone us-central2-b -- \\
       train --config my_config.py --workdir gs://my-bucket/runs/a
   python -m replicator launch slurm --nodes 2 --gpus-per-node 8 --dry-run -- \\
@@ -311,24 +290,38 @@ examples:
 
 _TPU_HELP = f"""\
 what it does, each gcloud command printed first (--dry-run: printed only):
-  0. pre-flight, for a train command: compiles its config here for the pod's
-     accelerator type and slices (python -m replicator compile; libtpu, the tpu
-     extra, no TPU) and refuses a run that does not fit a chip's HBM, in one
-     line; the report stays in ~/.cache/replicator/preflight/NAME. The type is
-     asked of gcloud, or given with --accelerator-type (a dry run compiles only
-     with it); --no-preflight skips the check
-  1. copies one tarball, named by its content hash, to every worker: the
+  0. refuses a local --workdir or --config.data_dir when the pod has several
+     workers (they share no disk; --allow-local-workdir runs it anyway; a dry
+     run knows the workers from --accelerator-type or --slices). Pre-flight,
+     for a train command: compiles its config here for the pod's accelerator
+     type and slices (python -m replicator compile; libtpu, the tpu extra, no
+     TPU) and refuses a run that does not fit a chip's HBM, in one line; the
+     report stays in ~/.cache/replicator/preflight/NAME. The type is asked of
+     gcloud, or given with --accelerator-type (a dry run compiles only with
+     it); --no-preflight skips the check
+  1. asks every worker whether it has the environment (Python and the
+     project's dependencies, keyed by their hash) and, if not, whether it can
+     reach what installing takes: PyPI (pypi.org, files.pythonhosted.org) for
+     uv and the packages, github.com for uv's CPython; one that cannot is
+     refused in one line (the ways out: Cloud NAT, --wheels, --python PATH)
+  2. copies one tarball, named by its content hash, to every worker: the
      project's files (git ls-files of the checkout replicator is imported from;
      never .venv, runs/ or data) and the Python files COMMAND names (--config
      FILE, python SCRIPT) with the Python files beside them, at their paths
-     relative to this directory, where COMMAND runs
-  2. unpacks it into ~/.replicator/bundles/HASH and installs the project with
-     its tpu extra in a uv virtualenv with Python {tpu.DEFAULT_PYTHON} (--python; once per
-     bundle: a rerun of the same files installs nothing)
-  3. frees the TPU and starts COMMAND detached on every worker, under
-     `python -m replicator.runtime.worker`: it outlives the ssh session; its
-     output goes to ~/.replicator/job/worker.log on each worker, mirrored to
-     WORKDIR/launch/worker-N.log (--log-dir)
+     relative to this directory, where COMMAND runs. With --wheels, and a
+     worker without the environment, also the wheels (pip download --platform
+     here, kept in ~/.cache/replicator/wheels)
+  3. unpacks it into ~/.replicator/bundles/HASH and, where the environment is
+     missing, installs the project's dependencies with its tpu extra in a uv
+     virtualenv ~/.replicator/envs/pyX.Y-HASH with Python {tpu.DEFAULT_PYTHON} (--python X.Y, or
+     --python PATH: an interpreter on every worker): a code edit installs
+     nothing, a change of the dependencies installs anew
+  4. keeps the newest --keep-bundles bundles and the environments they use
+     (the rest is removed), frees the TPU and starts COMMAND detached on every
+     worker, under `python -m replicator.runtime.worker`: it outlives the ssh
+     session; its output goes to ~/.replicator/job/worker.log on each worker,
+     mirrored to WORKDIR/launch/worker-N.log (slice-S-worker-N.log across
+     slices; --log-dir)
 
 follow and stop the job (with the same --tpu, --zone, --project, --slices):
   launch tpu --tpu NAME --zone ZONE --logs [--worker N] [--slice S]
@@ -337,7 +330,7 @@ follow and stop the job (with the same --tpu, --zone, --project, --slices):
       SIGTERM to the job on every worker (train saves a checkpoint and exits),
       SIGKILL after --grace seconds; then frees the TPU
 
-Use a gs:// --workdir: the workers share no disk. With --restarts N each
+Use gs:// paths: the workers share no disk. With --restarts N each
 worker runs a failed command again, up to N times; train resumes from its
 last checkpoint. A pod that was preempted or recreated has lost its job:
 launch the same command again, and train resumes from the checkpoints in the
@@ -372,16 +365,14 @@ def main(argv: Sequence[str]) -> int:
             "my_script.py ARGS"
         )
     if args.where == "local":
+        if not args.gcs and (args.gcs_dir or args.allow_local_workdir):
+            parser.error(f"--gcs-dir and {shared_paths.ALLOW_FLAG} go with --gcs (a rehearsal)")
         try:
-            return launch_local(
-                command,
-                processes=args.processes,
-                devices_per_process=args.devices_per_process,
-                elastic=args.elastic,
-                restarts=args.restarts,
-            )
+            return _launch_local(args, command)
         except FileNotFoundError as e:
             parser.error(str(e))
+        except tpu.LaunchError as e:
+            return _error(str(e))
     if args.where == "slurm":
         return _launch_slurm(args, command)
     if args.slices < 1:
@@ -394,6 +385,26 @@ def main(argv: Sequence[str]) -> int:
         return 130
 
 
+def _launch_local(args: argparse.Namespace, command: list[str]) -> int:
+    rehearsal = contextlib.nullcontext()
+    if args.gcs:
+        rehearsal = rehearse.rehearsal(
+            command,
+            args.processes,
+            directory=args.gcs_dir,
+            allow_local_paths=args.allow_local_workdir,
+        )
+    with rehearsal as env_of:
+        return launch_local(
+            command,
+            processes=args.processes,
+            devices_per_process=args.devices_per_process,
+            elastic=args.elastic,
+            restarts=args.restarts,
+            env_of=env_of,
+        )
+
+
 def _error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return USAGE_ERROR
@@ -402,10 +413,14 @@ def _error(message: str) -> int:
 def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
     pod = tpu.Pod(args.tpu, args.zone, args.project, args.slices, args.internal_ip)
     if not (args.logs or args.stop):
+        if not args.allow_local_workdir:
+            _check_shared_paths(args, pod, command)
         tpu.launch(
             command,
             pod,
             python=args.python,
+            wheels=args.wheels,
+            keep_bundles=args.keep_bundles,
             restarts=args.restarts,
             log_dir=args.log_dir,
             dry_run=args.dry_run,
@@ -428,6 +443,22 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
     return 0 if args.dry_run else subprocess.run(gcloud, check=False).returncode
 
 
+def _check_shared_paths(args: argparse.Namespace, pod: tpu.Pod, command: list[str]) -> None:
+    """A local workdir on a pod of several workers: refused (the pod's accelerator type
+    is asked of gcloud when that decides it, and kept for the pre-flight)."""
+    if not shared_paths.local_paths(command):
+        return
+    if args.accelerator_type is None and pod.slices == 1 and not args.dry_run:
+        tpu.check_gcloud()
+        try:
+            args.accelerator_type = preflight.accelerator_type(pod)
+        except tpu.LaunchError:  # then it says what a dry run says: how many is unknown
+            pass
+    workers = shared_paths.pod_workers(args.accelerator_type, pod.slices)
+    where = pod.name + (f" ({args.accelerator_type})" if args.accelerator_type else "")
+    shared_paths.check_shared_paths(command, workers=workers, where=where)
+
+
 def _pod_options(pod: tpu.Pod) -> list[str]:
     options = ["--tpu", pod.name, "--zone", pod.zone]
     options += ["--project", pod.project] if pod.project else []
@@ -436,24 +467,16 @@ def _pod_options(pod: tpu.Pod) -> list[str]:
 
 
 def _launch_slurm(args: argparse.Namespace, command: list[str]) -> int:
-    script = slurm_script(
-        command,
+    script = slurm.slurm_script(
+        resolve_command(command, ".venv/bin/python"),
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         process_per_gpu=not args.process_per_node,
     )
-    if args.dry_run:
-        print(script, end="")
-        return 0
-    if shutil.which("sbatch") is None:
-        return _error(
-            "launch slurm needs sbatch, and there is no sbatch on PATH: run it on a SLURM "
-            "login node (--dry-run prints the script)."
-        )
-    with open("replicator.sbatch", "w") as f:
-        f.write(script)
-    print("wrote replicator.sbatch", flush=True)
-    return subprocess.run(["sbatch", "replicator.sbatch"], check=False).returncode
+    try:
+        return slurm.submit(script, dry_run=args.dry_run)
+    except tpu.LaunchError as e:
+        return _error(str(e))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -491,8 +514,8 @@ def _parser() -> argparse.ArgumentParser:
         _TPU_HELP + "\n" + _COMMAND_HELP,
     )
     _add_tpu_options(tpu_parser)
-    slurm = add_parser("slurm", "an sbatch job", usage, _COMMAND_HELP)
-    _add_slurm_options(slurm)
+    slurm_parser = add_parser("slurm", "an sbatch job", usage, _COMMAND_HELP)
+    slurm.add_options(slurm_parser)
     return parser
 
 
@@ -513,6 +536,28 @@ def _add_local_options(local: argparse.ArgumentParser) -> None:
         "--elastic",
         action="store_true",
         help="a process (not 0) killed by a signal does not stop the others (DiLoCo islands)",
+    )
+    local.add_argument(
+        "--gcs",
+        action="store_true",
+        help="rehearse a pod: a local GCS server for the gs:// paths of COMMAND (its buckets "
+        "created), a disk of its own for each process (the rehearse extra)",
+    )
+    local.add_argument(
+        "--gcs-dir",
+        metavar="DIR",
+        help="--gcs: where the server keeps the objects, across runs "
+        "(default: ~/.cache/replicator/gcs)",
+    )
+    _add_allow_local_workdir(local)
+
+
+def _add_allow_local_workdir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        shared_paths.ALLOW_FLAG,
+        action="store_true",
+        help="accept a local --workdir or --config.data_dir for several hosts (on a pod each "
+        "worker keeps its own)",
     )
 
 
@@ -559,12 +604,7 @@ def _add_tpu_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ship a train command without compiling its config for the pod here first",
     )
-    parser.add_argument(
-        "--python",
-        default=tpu.DEFAULT_PYTHON,
-        metavar="X.Y",
-        help="the workers' Python version (default: this one's, %(default)s)",
-    )
+    _add_environment_options(parser)
     action = parser.add_mutually_exclusive_group()
     action.add_argument(
         "--logs", action="store_true", help="follow a worker's log instead of starting a job"
@@ -589,16 +629,26 @@ def _add_tpu_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
 
 
-def _add_slurm_options(slurm: argparse.ArgumentParser) -> None:
-    slurm.add_argument("--nodes", type=int, required=True, help="nodes of the job")
-    slurm.add_argument(
-        "--gpus-per-node", type=int, required=True, help="GPUs of each node the job uses"
+def _add_environment_options(parser: argparse.ArgumentParser) -> None:
+    """launch tpu's options on the workers' environment and disk."""
+    parser.add_argument(
+        "--python",
+        default=tpu.DEFAULT_PYTHON,
+        metavar="X.Y|PATH",
+        help="the workers' Python: a version uv brings (default: this one's, %(default)s), or "
+        "the path of an interpreter installed on every worker",
     )
-    slurm.add_argument(
-        "--process-per-node",
+    parser.add_argument(
+        "--wheels",
         action="store_true",
-        help="one process per node instead of one per GPU",
+        help="install the packages from wheels downloaded here for the TPU VMs (pip download "
+        "--platform) and shipped with the bundle, not from PyPI",
     )
-    slurm.add_argument(
-        "--dry-run", action="store_true", help="print the sbatch script, submit nothing"
+    parser.add_argument(
+        "--keep-bundles",
+        type=int,
+        default=tpu.KEEP_BUNDLES,
+        metavar="N",
+        help="the bundles each worker keeps, with the environments they use (%(default)s)",
     )
+    _add_allow_local_workdir(parser)

@@ -1,28 +1,32 @@
-"""Cloud TPU pods: the bundle a job ships and the gcloud commands that start, follow
-and stop it.
+"""Cloud TPU pods: the gcloud commands that start a job on every worker, follow it and
+stop it.
 
 ``launch tpu`` runs a command on every worker of a TPU VM pod (or, with
-``--slices N``, of every slice of a queued resource) with three gcloud commands,
+``--slices N``, of every slice of a queued resource) with these gcloud commands,
 each printed before it runs (``--dry-run`` prints them and runs nothing):
 
-1. ``scp`` of one tarball, the *bundle* (`plan_bundle`), to every worker. It holds
-   the project's files (`project_files`: git's view of the source tree the
-   ``replicator`` package comes from, whatever the working directory) and the
-   experiment files the command names (`experiment_files`: a config or a script
-   and the Python files beside it) at their paths relative to the working
-   directory, so that the command runs unchanged. Its name is its content hash.
-2. ``ssh`` to every worker: unpack the bundle into ``~/.replicator/bundles/HASH``
-   and, once per bundle (a stamp file), install the project with its ``tpu``
-   extra into a uv virtualenv of this machine's Python version: the TPU VM
-   images ship an older Python than the project needs.
-3. ``ssh`` to every worker: free the TPU (kill the processes holding it, remove
-   libtpu's lock file) and start the command detached under the worker
-   supervisor, `replicator.runtime.worker`, which outlives the ssh session, logs
-   to ``~/.replicator/job/worker.log`` and mirrors that log to
-   ``WORKDIR/launch/worker-N.log``.
+1. ``ssh`` to every worker: the probe (`replicator.runtime.worker_env.probe_script`).
+   Has it the environment, the Python and the project's dependencies keyed by
+   their hash? If not, can it reach what installing needs? A worker that cannot
+   is refused here, in one line naming what is missing.
+2. ``scp`` of one tarball, the *bundle* (`replicator.runtime.bundle`: the project's
+   files and the experiment's, named by their content hash), to every worker;
+   with ``--wheels``, and a worker without the environment, also the wheels.
+3. ``ssh`` to every worker: unpack the bundle into ``~/.replicator/bundles/HASH``
+   and install the environment into ``~/.replicator/envs/NAME`` where it is
+   missing (`replicator.runtime.worker_env.setup_script`): a code edit installs
+   nothing.
+4. ``ssh`` to every worker: keep the newest bundles and the environments they use
+   (`replicator.runtime.worker_env.prune_script`), free the TPU (kill the
+   processes holding it, remove libtpu's lock file) and start the command
+   detached under the worker supervisor, `replicator.runtime.worker`, which
+   outlives the ssh session, logs to ``~/.replicator/job/worker.log`` and
+   mirrors that log to ``WORKDIR/launch/worker-N.log``.
 
-Before any of it, ``launch tpu`` compiles a ``train`` command's config for the
-pod here and refuses a run that does not fit (`replicator.runtime.preflight`).
+Before any of it, ``launch tpu`` refuses a local workdir on a pod of several
+workers (`replicator.runtime.shared_paths`) and compiles a ``train`` command's
+config for the pod here, refusing a run that does not fit
+(`replicator.runtime.preflight`).
 
 `logs_command` follows a worker's log; `stop_command` stops the job on every
 worker (SIGTERM, which the trainer turns into a checkpoint; SIGKILL after a
@@ -32,37 +36,29 @@ grace period) and frees the TPU.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import hashlib
-import io
-import os
-import pathlib
-import re
 import shlex
 import shutil
 import subprocess
-import sys
-import tarfile
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from replicator.errors import LaunchError as LaunchError
+from replicator.runtime import worker_env
+from replicator.runtime.bundle import (
+    Bundle,
+    describe_bundle,
+    local_bundle_path,
+    plan_bundle,
+    project_root,
+    write_bundle,
+)
+from replicator.runtime.worker_env import DEFAULT_PYTHON as DEFAULT_PYTHON
+from replicator.runtime.worker_env import KEEP_BUNDLES, Environment
 
-# On every worker ($HOME is the worker's): the unpacked bundles, and the job's pid and log.
-BUNDLES = "$HOME/.replicator/bundles"
+# On every worker ($HOME is the worker's): the job's pid and log.
 JOB = "$HOME/.replicator/job"
 # What holds a TPU (v4 and older: /dev/accel*; v5 and v6: /dev/vfio/*) and libtpu's lock.
 TPU_DEVICES = "/dev/accel* /dev/vfio/*"
 TPU_LOCKFILE = "/tmp/libtpu_lockfile"
-# The workers' Python: the version of the one running the launcher, where the project
-# was tried (the TPU VM images ship 3.10; the project needs 3.11 or newer).
-DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
-# Directories that hold no code of the project: never shipped unless a Python package.
-NON_CODE_DIRS = frozenset(
-    {".venv", "venv", "env", "runs", "data", "datasets", "tensorflow_datasets",
-     "checkpoints", "wandb", "build", "dist", "node_modules"}
-)  # fmt: skip
-_BUNDLE_MTIME = 1_577_836_800  # 2020-01-01: the same contents give the same tarball
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,243 +99,6 @@ class Pod:
         if self.internal_ip:
             where.append("--internal-ip")
         return [*base, *args, *where]
-
-
-@dataclasses.dataclass(frozen=True)
-class Bundle:
-    """What a job ships to the workers: one tarball, named by the hash of its contents.
-
-    Attributes:
-      files: name in the tarball -> the file here. The project's files are under
-        ``project/``; the working directory is ``project/...`` when it is inside
-        the project, else ``work/``.
-      run_dir: the directory of the tarball the command runs in (the working
-        directory's image).
-      extras: the experiment files that are not the project's, relative to the
-        working directory.
-      digest: the hash of the names, modes and contents, and of ``run_dir``.
-    """
-
-    files: dict[str, pathlib.Path]
-    run_dir: str
-    extras: tuple[str, ...]
-    digest: str
-
-    @property
-    def name(self) -> str:
-        """The tarball's file name."""
-        return f"replicator-{self.digest}.tar.gz"
-
-    @property
-    def remote_dir(self) -> str:
-        """Where the bundle is unpacked on every worker."""
-        return f"{BUNDLES}/{self.digest}"
-
-
-# ---------------------------------------------------------------- the bundle
-
-
-def project_root() -> pathlib.Path:
-    """The source tree the ``replicator`` package is imported from (its pyproject.toml)."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    if not (root / "pyproject.toml").is_file():
-        raise LaunchError(
-            f"launch tpu ships the project's source tree, but replicator is imported from "
-            f"{root}, which has no pyproject.toml: install it from a checkout (pip install -e)."
-        )
-    return root
-
-
-def project_files(root: pathlib.Path) -> list[str]:
-    """The files of the project at ``root`` to ship, as sorted paths relative to it.
-
-    Git's view of the tree where there is one: tracked files and new files that
-    are not ignored (``git ls-files --cached --others --exclude-standard``);
-    otherwise every file under ``root`` outside hidden directories. Either way
-    never ``__pycache__``, a virtualenv or a directory of runs, data or build
-    outputs (`NON_CODE_DIRS`) that is not a Python package.
-    """
-    names = _git_files(root)
-    if names is None:
-        names = _walk_files(root)
-    return sorted(n for n in set(names) if (root / n).is_file() and not _excluded(root, n))
-
-
-def _git_files(root: pathlib.Path) -> list[str] | None:
-    listing = ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others"]
-    listing.append("--exclude-standard")
-    try:
-        done = subprocess.run(listing, capture_output=True, check=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):  # no git, or not a repository
-        return None
-    return [n for n in done.stdout.decode().split("\0") if n]
-
-
-def _walk_files(root: pathlib.Path) -> list[str]:
-    found = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-        found += [os.path.relpath(os.path.join(directory, f), root) for f in files]
-    return found
-
-
-def _excluded(root: pathlib.Path, name: str) -> bool:
-    parts = pathlib.PurePath(name).parts
-    if parts[-1].endswith((".pyc", ".pyo")):
-        return True
-    return any(_skipped_dir(root.joinpath(*parts[: i + 1])) for i in range(len(parts) - 1))
-
-
-def _skipped_dir(directory: pathlib.Path) -> bool:
-    name = directory.name
-    if name == "__pycache__" or name.endswith(".egg-info") or (directory / "pyvenv.cfg").exists():
-        return True
-    return name in NON_CODE_DIRS and not (directory / "__init__.py").is_file()
-
-
-def experiment_files(command: Sequence[str], cwd: pathlib.Path) -> list[str]:
-    """The files of ``command`` to ship besides the project, relative to ``cwd``.
-
-    Every Python file the command names (``--config my_config.py[:mode]``,
-    ``python my_script.py``, ``--flag=file.py``; ``python -m my_module``), with
-    the Python files and packages beside it, which a config or a script may
-    import.
-
-    Raises:
-      LaunchError: a named Python file outside ``cwd``: on the workers the
-        command runs in the image of ``cwd``.
-    """
-    named = set(_named_python_files(command, cwd))
-    beside = set()
-    for name in named:
-        beside.update(os.path.relpath(p, cwd) for p in _python_beside((cwd / name).parent))
-    return sorted(named | {n for n in beside if not _excluded(cwd, n)})
-
-
-def _named_python_files(command: Sequence[str], cwd: pathlib.Path) -> Iterator[str]:
-    for word in _words_and_values(command):
-        path = word.split(":", 1)[0] if ".py:" in word else word  # a config's :mode
-        if not path.endswith(".py"):
-            continue
-        if os.path.isabs(path):
-            if os.path.isfile(path):
-                raise LaunchError(
-                    f"{path}: give the files of the command relative to the working directory "
-                    "(they are shipped to the same relative place on every worker)."
-                )
-            continue
-        if (cwd / path).is_file():
-            relative = os.path.normpath(path)
-            if relative == ".." or relative.startswith(f"..{os.sep}"):
-                raise LaunchError(
-                    f"{path} is outside the working directory; run launch from a directory "
-                    "that contains it (it is shipped to the same relative place)."
-                )
-            yield relative
-    yield from _named_module_files(command, cwd)
-
-
-def _words_and_values(command: Sequence[str]) -> Iterator[str]:
-    for word in command:
-        yield word
-        if word.startswith("-") and "=" in word:
-            yield word.split("=", 1)[1]
-
-
-def _named_module_files(command: Sequence[str], cwd: pathlib.Path) -> Iterator[str]:
-    """The files of ``python -m MODULE`` when MODULE lives in ``cwd``."""
-    words = list(command)
-    if words[:1] not in (["python"], ["python3"]) or "-m" not in words[:-1]:
-        return
-    top = words[words.index("-m") + 1].split(".")[0]
-    if (cwd / top / "__init__.py").is_file():
-        yield from (os.path.relpath(p, cwd) for p in _package_files(cwd / top))
-    elif (cwd / f"{top}.py").is_file():
-        yield f"{top}.py"
-
-
-def _python_beside(directory: pathlib.Path) -> list[pathlib.Path]:
-    found = [p for p in directory.glob("*.py") if p.is_file()]
-    for sub in sorted(directory.iterdir()):
-        if sub.is_dir() and (sub / "__init__.py").is_file() and not _skipped_dir(sub):
-            found += _package_files(sub)
-    return found
-
-
-def _package_files(package: pathlib.Path) -> list[pathlib.Path]:
-    found = []
-    for directory, subdirs, files in os.walk(package):
-        subdirs[:] = [d for d in subdirs if not _skipped_dir(pathlib.Path(directory, d))]
-        found += [pathlib.Path(directory, f) for f in files if f.endswith(".py")]
-    return found
-
-
-def plan_bundle(command: Sequence[str], cwd: str | os.PathLike | None = None) -> Bundle:
-    """The bundle that runs ``command`` from ``cwd`` (default: the working directory).
-
-    Args:
-      command: the words after ``--``.
-      cwd: the directory the command's relative paths start from.
-
-    Returns:
-      A `Bundle`: the project's files under ``project/`` (`project_files`) and
-      the experiment files (`experiment_files`) under the image of ``cwd``:
-      ``project/REL`` when ``cwd`` is ``REL`` inside the project, else ``work/``.
-    """
-    root = project_root()
-    cwd = pathlib.Path(cwd or os.getcwd()).resolve()
-    files = {f"project/{name}": root / name for name in project_files(root)}
-    inside = cwd == root or root in cwd.parents
-    run_dir = os.path.normpath(f"project/{cwd.relative_to(root)}") if inside else "work"
-    named = experiment_files(command, cwd)
-    extras = tuple(n for n in named if os.path.normpath(f"{run_dir}/{n}") not in files)
-    for name in extras:
-        files[os.path.normpath(f"{run_dir}/{name}")] = cwd / name
-    files = dict(sorted(files.items()))
-    return Bundle(files, run_dir.replace(os.sep, "/"), extras, _digest(files, run_dir))
-
-
-def _digest(files: dict[str, pathlib.Path], run_dir: str) -> str:
-    digest = hashlib.sha256(f"run_dir={run_dir}\0".encode())
-    for name, path in files.items():
-        digest.update(f"{name}\0{_mode(path):o}\0".encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:12]
-
-
-def _mode(path: pathlib.Path) -> int:
-    return 0o755 if os.access(path, os.X_OK) else 0o644
-
-
-def write_bundle(bundle: Bundle, path: str | os.PathLike) -> pathlib.Path:
-    """Writes ``bundle`` as a gzipped tarball at ``path``; the same bundle, the same bytes."""
-    path = pathlib.Path(path)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        run_dir = tarfile.TarInfo(bundle.run_dir)
-        run_dir.type, run_dir.mode, run_dir.mtime = tarfile.DIRTYPE, 0o755, _BUNDLE_MTIME
-        tar.addfile(run_dir)
-        for name, source in bundle.files.items():
-            data = source.read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), _mode(source), _BUNDLE_MTIME
-            tar.addfile(info, io.BytesIO(data))
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
-    with open(partial, "wb") as f, gzip.GzipFile("", "wb", fileobj=f, mtime=0) as gz:
-        gz.write(buffer.getvalue())
-    os.replace(partial, path)
-    return path
-
-
-def describe_bundle(bundle: Bundle) -> str:
-    """One line on what ``bundle`` holds, for the launcher's output."""
-    size = sum(p.stat().st_size for p in bundle.files.values())
-    extras = f" and {', '.join(bundle.extras)} from here" if bundle.extras else ""
-    where = f"{bundle.remote_dir}/{bundle.run_dir}".replace("$HOME", "~")
-    return (
-        f"bundle {bundle.name}: {len(bundle.files)} files ({size / 1e6:.1f} MB) of the project "
-        f"{project_root()}{extras}; the command runs in {where}"
-    )
 
 
 # ---------------------------------------------------------------- the command
@@ -384,14 +143,6 @@ def default_log_dir(command: Sequence[str]) -> str | None:
 # ---------------------------------------------------------------- the scripts the workers run
 
 
-def _quote(word: str) -> str:
-    """``word`` for bash, in double quotes (the scripts go inside gcloud's single-quoted
-    ``--command``, which single quotes would break up)."""
-    if re.fullmatch(r"[A-Za-z0-9_@%+=:,./-]+", word):
-        return word
-    return '"' + re.sub(r'([\\"$`])', r"\\\1", word) + '"'
-
-
 def free_tpu_script() -> str:
     """Bash that frees the TPU for the next job: kills the processes holding its
     devices and removes libtpu's lock file (what MaxText's runner does)."""
@@ -406,67 +157,43 @@ def free_tpu_script() -> str:
     )
 
 
-def setup_script(bundle: Bundle, python: str = DEFAULT_PYTHON) -> str:
-    """Bash that unpacks ``bundle`` (copied to the worker's home directory) into
-    `Bundle.remote_dir` and installs the project with its ``tpu`` extra into a uv
-    virtualenv of Python ``python``; both only once per bundle."""
-    return "\n".join(
-        [
-            "set -eu",
-            f'bundle="{bundle.remote_dir}"',
-            f'venv="$bundle/venv-py{python}"',
-            'if [ ! -d "$bundle" ]; then',
-            '  rm -rf "$bundle.part" && mkdir -p "$bundle.part"',
-            f'  tar -xzf "$HOME/{bundle.name}" -C "$bundle.part"',
-            '  mv "$bundle.part" "$bundle"',
-            "fi",
-            f'rm -f "$HOME/{bundle.name}"',
-            'if [ ! -f "$venv/installed" ]; then',
-            '  export PATH="$HOME/.local/bin:$PATH"',
-            "  command -v uv >/dev/null || python3 -m pip install --user --quiet uv "
-            "|| curl -LsSf https://astral.sh/uv/install.sh | sh",
-            '  rm -rf "$venv"',
-            f'  uv venv --quiet --python {python} "$venv"',
-            '  uv pip install --quiet --python "$venv/bin/python" -e "$bundle/project[tpu]"',
-            '  touch "$venv/installed"',
-            "fi",
-        ]
-    )
-
-
 def start_script(
     bundle: Bundle,
+    env: Environment,
     command: Sequence[str],
     *,
-    python: str = DEFAULT_PYTHON,
     restarts: int = 0,
     log_dir: str | None = None,
+    keep_bundles: int = KEEP_BUNDLES,
 ) -> str:
     """Bash that starts ``command`` detached on a worker, under the worker supervisor.
 
     It refuses while a job runs there (its process group, from ``JOB/pid``, is
-    alive), frees the TPU (`free_tpu_script`) and starts ``python -m
-    replicator.runtime.worker`` with ``setsid nohup ... &`` in the bundle's
-    image of the working directory, then waits until the supervisor has written
-    its pid file.
+    alive), keeps the ``keep_bundles`` newest bundles and the environments they
+    use (`replicator.runtime.worker_env.prune_script`), frees the TPU
+    (`free_tpu_script`) and starts ``python -m replicator.runtime.worker`` with
+    ``setsid nohup ... &`` in the bundle's image of the working directory, with
+    ``env``'s interpreter and the bundle's project on ``PYTHONPATH``, then waits
+    until the supervisor has written its pid file.
     """
     worker = [
-        '"$bundle/venv-py' + python + '/bin/python"',
+        '"$env/bin/python"',
         "-m",
         "replicator.runtime.worker",
         "--pid-file",
         '"$job/pid"',
         "--log",
         '"$job/worker.log"',
-        *(["--log-dir", _quote(log_dir)] if log_dir else []),
+        *(["--log-dir", worker_env.quote(log_dir)] if log_dir else []),
         *(["--restarts", str(restarts)] if restarts else []),
         "--",
-        *(_quote(w) for w in command),
+        *(worker_env.quote(w) for w in command),
     ]
     return "\n".join(
         [
             "set -eu",
             f'bundle="{bundle.remote_dir}"',
+            f'env="{env.remote_dir}"',
             f'job="{JOB}"',
             'mkdir -p "$job"',
             'if [ -f "$job/pid" ] && kill -0 -- "-$(cat "$job/pid")" 2>/dev/null; then',
@@ -475,7 +202,9 @@ def start_script(
             "  exit 1",
             "fi",
             'rm -f "$job/pid"',
+            worker_env.prune_script(keep_bundles),
             free_tpu_script(),
+            'export PYTHONPATH="$bundle/project"',  # the environment holds no project
             f'cd "$bundle/{bundle.run_dir}"',
             f'setsid nohup {" ".join(worker)} > "$job/supervisor.out" 2>&1 < /dev/null &',
             'while [ ! -f "$job/pid" ] && kill -0 $! 2>/dev/null; do sleep 0.2; done',
@@ -522,26 +251,37 @@ def stop_script(grace_s: int = 300) -> str:
 # ---------------------------------------------------------------- the gcloud commands
 
 
-def local_bundle_path(bundle: Bundle) -> str:
-    """Where the launcher writes the tarball before copying it (and removes it after)."""
-    return os.path.join(tempfile.gettempdir(), bundle.name)
+def probe_command(pod: Pod, env: Environment) -> list[str]:
+    """The gcloud command that asks every worker of ``pod`` about ``env``
+    (`replicator.runtime.worker_env.probe_script`)."""
+    return [*pod.gcloud("ssh", pod.name), f"--command={worker_env.probe_script(env)}"]
 
 
 def start_commands(
     pod: Pod,
     bundle: Bundle,
+    env: Environment,
     command: Sequence[str],
     *,
-    python: str = DEFAULT_PYTHON,
+    ship_wheels: bool = False,
     restarts: int = 0,
     log_dir: str | None = None,
+    keep_bundles: int = KEEP_BUNDLES,
 ) -> list[list[str]]:
-    """The gcloud commands that copy ``bundle`` to every worker of ``pod``, set it up
-    (`setup_script`) and start ``command`` there (`start_script`)."""
-    start = start_script(bundle, command, python=python, restarts=restarts, log_dir=log_dir)
+    """The gcloud commands that copy ``bundle`` (and with ``ship_wheels`` the wheels of
+    ``env``) to every worker of ``pod``, set them up
+    (`replicator.runtime.worker_env.setup_script`) and start ``command`` there
+    (`start_script`)."""
+    start = start_script(
+        bundle, env, command, restarts=restarts, log_dir=log_dir, keep_bundles=keep_bundles
+    )
+    copies = [pod.gcloud("scp", local_bundle_path(bundle), f"{pod.name}:{bundle.name}")]
+    if ship_wheels:
+        wheels = worker_env.local_wheelhouse_path(env)
+        copies.append(pod.gcloud("scp", wheels, f"{pod.name}:{env.wheelhouse}"))
     return [
-        pod.gcloud("scp", local_bundle_path(bundle), f"{pod.name}:{bundle.name}"),
-        [*pod.gcloud("ssh", pod.name), f"--command={setup_script(bundle, python)}"],
+        *copies,
+        [*pod.gcloud("ssh", pod.name), f"--command={worker_env.setup_script(bundle, env)}"],
         [*pod.gcloud("ssh", pod.name), f"--command={start}"],
     ]
 
@@ -590,11 +330,41 @@ def run_commands(commands: Sequence[Sequence[str]]) -> None:
             raise LaunchError(f"{shlex.join(command[:6])} ... failed (exit status {code}).")
 
 
+def ask_workers(pod: Pod, env: Environment) -> str | None:
+    """Runs the probe (`probe_command`) and reads the workers' answers.
+
+    Returns:
+      The Python version the workers without ``env`` install it for; None when
+      every worker has it.
+
+    Raises:
+      LaunchError: the probe failed, or a worker cannot install ``env``
+        (`replicator.runtime.worker_env.check_answers`: one line, what is missing).
+    """
+    probe = probe_command(pod, env)
+    print(shlex.join(probe), flush=True)
+    done = subprocess.run(probe, stdout=subprocess.PIPE, text=True, check=False)
+    print(done.stdout, end="", flush=True)
+    if done.returncode != 0:
+        raise LaunchError(f"{shlex.join(probe[:6])} ... failed (exit status {done.returncode}).")
+    answers = worker_env.read_answers(done.stdout)
+    version = worker_env.check_answers(answers, env, pod.name)
+    missing = sum(not a.has_env for a in answers)
+    print(
+        f"# {len(answers) - missing} of {len(answers)} workers have environment {env.name}"
+        + (f"; {missing} install it" if missing else ""),
+        flush=True,
+    )
+    return version
+
+
 def launch(
     command: Sequence[str],
     pod: Pod,
     *,
     python: str = DEFAULT_PYTHON,
+    wheels: bool = False,
+    keep_bundles: int = KEEP_BUNDLES,
     restarts: int = 0,
     log_dir: str | None = None,
     dry_run: bool = False,
@@ -605,7 +375,11 @@ def launch(
     Args:
       command: the words after ``--``, run in the image of the working directory.
       pod: the TPU VM or queued resource.
-      python: the workers' Python version.
+      python: the workers' Python: a version uv brings, or the absolute path of an
+        interpreter installed on every worker.
+      wheels: install the environment from wheels downloaded here (for the TPU
+        VMs' platform) and shipped, not from PyPI.
+      keep_bundles: the bundles each worker keeps (with their environments).
       restarts: the worker supervisor runs a failed command again up to this
         many times (``train`` resumes from its last checkpoint).
       log_dir: where each worker's log is mirrored (default: ``WORKDIR/launch``
@@ -617,24 +391,41 @@ def launch(
 
     Raises:
       LaunchError: no gcloud, no active account, a file outside the working
-        directory, a gcloud command that failed, or ``before_shipping``'s refusal.
+        directory, a worker that cannot install the environment, a gcloud command
+        that failed, or ``before_shipping``'s refusal.
     """
     if not dry_run:
         check_gcloud()
     command = job_command(command, pod.slices)
+    env = worker_env.plan_environment(project_root(), python, wheels)
     if before_shipping is not None:
         before_shipping(command)
     bundle = plan_bundle(command)
-    log_dir = log_dir or default_log_dir(command)
-    commands = start_commands(
-        pod, bundle, command, python=python, restarts=restarts, log_dir=log_dir
-    )
-    print(f"# {describe_bundle(bundle)}", flush=True)
+    options = dict(restarts=restarts, log_dir=log_dir or default_log_dir(command))
+    options.update(keep_bundles=keep_bundles)
+    print(f"# {describe_bundle(bundle)}\n# {worker_env.describe_environment(env)}", flush=True)
     if dry_run:
-        print("\n".join(shlex.join(c) for c in commands), flush=True)
+        _print_dry_run(pod, bundle, env, command, options)
         return
-    path = write_bundle(bundle, local_bundle_path(bundle))
+    version = ask_workers(pod, env)
+    ship_wheels = wheels and version is not None
+    paths = [write_bundle(bundle, local_bundle_path(bundle))]
     try:
-        run_commands(commands)
+        if ship_wheels:
+            wheelhouse = worker_env.download_wheels(env, version)
+            paths.append(worker_env.write_wheelhouse(env, wheelhouse))
+        run_commands(start_commands(pod, bundle, env, command, ship_wheels=ship_wheels, **options))
     finally:
-        path.unlink(missing_ok=True)
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+def _print_dry_run(pod: Pod, bundle: Bundle, env: Environment, command: list[str], options):
+    commands = [probe_command(pod, env)]
+    commands += start_commands(pod, bundle, env, command, ship_wheels=env.wheels, **options)
+    lines = [shlex.join(c) for c in commands]
+    if env.wheels:  # where the probe finds a worker without the environment
+        version = "VERSION" if env.preinstalled else env.python
+        download = worker_env.download_command(env, version, worker_env.wheel_cache(env, version))
+        lines.insert(1, f"# then, if a worker lacks {env.name}: {shlex.join(download)}")
+    print("\n".join(lines), flush=True)

@@ -122,6 +122,7 @@ def run(argv: Sequence[str] | None = None) -> None:
                 f"unknown command {command!r}{hint}; `python -m replicator --help` lists them"
             )
         argv = config_files.take_nulled(argv)  # --config.KEY=None, set after parsing
+        argv = config_files.write_overrides_as_literals(argv)  # dict(a=1) -> {'a': 1}
         own_args = argv[2 : argv.index("--")] if "--" in argv else argv[2:]
         if command == "eval":
             config_files.use_the_runs_config(argv)

@@ -52,7 +52,25 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "batch_size": ((int,), _REQUIRED, "global batch, across all replicas and processes"),
     "eval_batch_size": ((int, None), None, "global eval batch (None: batch_size)"),
     "num_train_steps": ((int,), _REQUIRED, "training steps"),
-    "learning_rate": ((float,), _REQUIRED, "peak learning rate"),
+    "learning_rate": ((float,), _REQUIRED, "peak learning rate (at lr_base_batch_size, if set)"),
+    "lr_base_batch_size": (
+        (int, None),
+        None,
+        "the batch size learning_rate is meant for; with lr_batch_scaling the rate follows "
+        "batch_size",
+    ),
+    "lr_batch_scaling": (
+        (str, None),
+        None,
+        "None, 'linear' or 'sqrt': learning_rate times (batch_size / lr_base_batch_size) "
+        "or its square root",
+    ),
+    "lr_mults": (
+        (tuple, list, None),
+        None,
+        "(regex, factor) pairs: a parameter's learning rate times the factor of the first "
+        "regex that finds its path, e.g. (('backbone/', 0.1),)",
+    ),
     "optimizer": ((str,), "adam", "an optax alias taking learning_rate"),
     "optimizer_args": (
         (dict, None),
@@ -87,7 +105,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         None,
         "an EMA of the parameters, evaluated beside them (ema_ metrics), e.g. 0.999",
     ),
-    "freeze": ((str, None), None, "regex over parameter paths that get no update"),
+    "freeze": (
+        (str, None),
+        None,
+        "regex over parameter paths that get no update, no gradient and no backward pass",
+    ),
     "init_from": (
         (str, None),
         None,
@@ -97,6 +119,12 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         (tuple, list, None),
         None,
         "(regex, replacement) pairs renaming checkpoint paths to model paths",
+    ),
+    "init_from_skip": (
+        (str, None),
+        None,
+        "regex over the state's paths (params/head/kernel) that init_from does not load: "
+        "they start freshly initialised",
     ),
     "seed": ((int,), 0, "seed of initialisation, data order and randomness"),
     "grad_accum_steps": ((int,), 1, "microbatches each replica's batch is split into"),
@@ -125,6 +153,13 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
         "'minimal_offloaded'",
     ),
+    "pipeline_microbatches": (
+        (int, None),
+        None,
+        "pieces a pipeline (mesh axis 'stage', rp.pipeline) cuts the batch into (None: one "
+        "per stage)",
+    ),
+    "pipeline_repeats": ((int,), 1, "1: a GPipe schedule; more: a circular one (rounds per batch)"),
     "offload_optimizer_state": (
         (bool,),
         False,
@@ -174,6 +209,7 @@ MINIMUM = {
     "fsdp_min_size": 0,
     "warmup_steps": 0,
     "weight_decay": 0.0,
+    "lr_base_batch_size": 1,
 }
 
 CHOICES = {
@@ -181,6 +217,7 @@ CHOICES = {
     "precision": (None, "fp32", "bf16", "fp16"),
     "best_mode": ("max", "min"),
     "lr_schedule": ("constant", "cosine", "linear", "rsqrt"),
+    "lr_batch_scaling": (None, "linear", "sqrt"),
     "grad_reduce_dtype": (None, "bf16"),
     "nonfinite": ("halt", "skip"),
     "matmul_precision": (
@@ -367,6 +404,11 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
         problems.append(
             f"'remat_policy'={values['remat_policy']!r} is not one of {remat.REMAT_POLICIES}"
         )
+    micro, repeats = values["pipeline_microbatches"], values["pipeline_repeats"]
+    if (micro is not None and micro < 1) or repeats < 1:
+        problems.append(
+            f"'pipeline_microbatches'={micro} and 'pipeline_repeats'={repeats} must be >= 1"
+        )
     if values["offload_optimizer_state"] and values["step_path"] != "compile":
         problems.append(
             "'offload_optimizer_state' needs step_path='compile' (the global view moves the "
@@ -378,7 +420,7 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
         problems.append(f"'ema_decay' must be in (0, 1) (or None), got {values['ema_decay']}")
     if values["weight_decay_mask"] is not None and not values["weight_decay"]:
         problems.append("'weight_decay_mask' is set but 'weight_decay' is 0: nothing is decayed")
-    for key in ("weight_decay_mask", "freeze"):
+    for key in ("weight_decay_mask", "freeze", "init_from_skip"):
         if values[key] is not None:
             try:
                 re.compile(values[key])
@@ -399,9 +441,43 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
                 re.compile(regex).sub(replacement, "")
             except (re.error, IndexError) as e:
                 problems.append(f"'init_from_rules' has {(regex, replacement)!r}: {e}")
+    problems += _fine_tuning_problems(values)
     unknown = sorted(set(values["writers"]) - {"tensorboard", "wandb"})
     if unknown:
         problems.append(f"'writers' has {unknown}; the writers are 'tensorboard' and 'wandb'")
+    return problems
+
+
+def _fine_tuning_problems(values: dict[str, Any]) -> list[str]:
+    """``lr_mults`` as (regex, factor > 0) pairs; ``lr_batch_scaling`` with its base."""
+    problems = []
+    if values["lr_batch_scaling"] is not None and values["lr_base_batch_size"] is None:
+        problems.append(
+            f"'lr_batch_scaling'={values['lr_batch_scaling']!r} needs 'lr_base_batch_size', "
+            "the batch size 'learning_rate' is meant for"
+        )
+    mults = values["lr_mults"]
+    if mults is None:
+        return problems
+    pairs = all(
+        isinstance(m, (tuple, list)) and len(m) == 2 and isinstance(m[0], str)
+        and isinstance(m[1], (int, float)) and not isinstance(m[1], bool)
+        for m in mults
+    )  # fmt: skip
+    if not pairs:
+        return problems + [
+            f"'lr_mults'={mults!r} must be (regex, factor) pairs, e.g. (('backbone/', 0.1),)"
+        ]
+    for regex, factor in mults:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            problems.append(f"'lr_mults' has {regex!r}, not a regex: {e}")
+        if not factor > 0:
+            problems.append(
+                f"'lr_mults' has {(regex, factor)!r}: a factor must be > 0 (to train nothing "
+                "there, use 'freeze')"
+            )
     return problems
 
 

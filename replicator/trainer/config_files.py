@@ -7,6 +7,19 @@ ml_collections against the keys of the config they apply to. A mistake in any of
 this (a missing file, an unknown key, a value of the wrong type, a workdir that
 holds another experiment) is a `UsageError` or a `ConfigError`, in one line.
 
+A config file is read by `read_config_file`: its ``get_config()`` returns an
+``ml_collections.ConfigDict`` (a plain dict is taken as one). A file that is not
+there, does not compile, fails on import, has no ``get_config``, calls it with
+the wrong arguments or returns something else is one line naming the file. An
+exception in the file's own code is the user's bug, not replicator's: the line
+names the exception and the file:line where it was raised, and ``--debug`` (or
+``REPLICATOR_DEBUG=1``) prints the traceback. A `UserError` raised by the file
+(``base_config``'s unknown mode) is shown as it is.
+
+A dict or tuple key takes a Python literal on the command line, and the
+``dict(k=v, ...)`` that config files write too: `write_overrides_as_literals`
+reads it with `ast` (literal values only, nothing is evaluated).
+
 Code beside a config file is found: the ``--config`` file's directory goes
 first on ``sys.path`` (as Python does for a script's directory) before the file
 is read, so ``experiment='my_task'`` and ``dataset='my_data:make_source'`` name
@@ -16,12 +29,18 @@ that says where modules are looked for (`check_importable`).
 
 from __future__ import annotations
 
+import ast
 import difflib
+import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import os
 import re
 import sys
+import sysconfig
+import traceback
+from typing import Any
 
 import ml_collections
 from absl import flags
@@ -43,6 +62,21 @@ CONFIG = config_flags.DEFINE_config_file(
     lock_config=True,
 )
 _file_given = True  # False once eval made WORKDIR/config.json the --config flag
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+    """In place of ml_collections' parser of ``--config FILE[:MODE]``: the file read
+    by `read_config_file` (whose errors absl wraps; `flag_error` unwraps them)."""
+
+    def parse(self, argument: str) -> ml_collections.ConfigDict:
+        file, colon, mode = argument.partition(":")
+        return read_config_file(file, *([mode] if colon else []))
+
+    def flag_type(self) -> str:
+        return "config object"
+
+
+FLAGS["config"].parser = _ConfigFileParser()
 
 log = logging.getLogger("replicator")
 
@@ -86,9 +120,15 @@ def check_config_file(argv: list[str]) -> None:
     value = argv_value(argv, "config")
     if value is not None and _file_given:
         path = value.split(":", 1)[0]
-        if not os.path.isfile(path):
-            raise UsageError(f"config file {path!r} does not exist")
+        _check_is_file(path)
         import_beside_config(path)
+
+
+def _check_is_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory; give the config's .py file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
 
 
 def import_beside_config(path: str) -> None:
@@ -98,6 +138,131 @@ def import_beside_config(path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if directory not in sys.path:
         sys.path.insert(0, directory)
+
+
+def read_config_file(path: str, *args: str) -> ml_collections.ConfigDict:
+    """The config that ``get_config(*args)`` in the Python file ``path`` returns, locked.
+
+    Args:
+      path: the config file.
+      *args: what follows the colon in ``--config FILE:MODE`` (nothing if no colon).
+
+    Returns:
+      ``get_config``'s ``ml_collections.ConfigDict``; a dict becomes one.
+
+    Raises:
+      ConfigError: in one line naming the file and what is wrong with it, for an
+        exception in the file's code with the file:line it was raised at (chained
+        to it, for ``--debug``). A `UserError` the file raises is left as it is.
+
+    >>> read_config_file("configs/digits_cnn.py", "smoke").num_train_steps
+    4
+    """
+    module = _load_config_module(path)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ConfigError(
+            f"config file {path!r} defines no get_config(); a config file's "
+            "get_config() returns an ml_collections.ConfigDict"
+        )
+    _check_arguments(path, get_config, args)
+    try:
+        config = get_config(*args)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the user's code: any bug at all)
+        raise ConfigError(f"config file {path!r}: get_config() raised {_described(e)}") from e
+    if isinstance(config, dict) or type(config) is ml_collections.FrozenConfigDict:
+        config = ml_collections.ConfigDict(config)
+    if not isinstance(config, ml_collections.ConfigDict):
+        shown = (
+            "None (no return statement?)"
+            if config is None
+            else f"a {type(config).__name__!r} object"
+        )
+        raise ConfigError(
+            f"config file {path!r}: get_config() returned {shown}, not a config; "
+            "it must return an ml_collections.ConfigDict (or a dict)"
+        )
+    config.lock()
+    return config
+
+
+def _load_config_module(path: str) -> Any:
+    _check_is_file(path)
+    # ml_collections' own name for the module; in sys.modules, as dataclasses need.
+    loader = importlib.machinery.SourceFileLoader("config_config", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    sys.modules[loader.name] = module
+    try:
+        loader.exec_module(module)
+    except SyntaxError as e:
+        where = f"{_shown_path(e.filename or path)}:{e.lineno}"
+        raise ConfigError(
+            f"config file {path!r} is not valid Python: {type(e).__name__} at {where}: {e.msg}"
+        ) from e
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the user's code: any bug at all)
+        raise ConfigError(f"config file {path!r} failed to import: {_described(e)}") from e
+    return module
+
+
+def _check_arguments(path: str, get_config: Any, args: tuple[str, ...]) -> None:
+    """`get_config` called with what the colon gave, or one line saying how to call it."""
+    try:
+        signature = inspect.signature(get_config)
+    except (TypeError, ValueError):
+        return  # not introspectable: the call itself says
+    try:
+        signature.bind(*args)
+        return
+    except TypeError:
+        pass
+    if not args:
+        problem = f"get_config{signature} needs an argument: give it after a colon, "
+        raise ConfigError(f"config file {path!r}: {problem}--config {path}:VALUE")
+    try:
+        signature.bind()
+    except TypeError:
+        raise ConfigError(
+            f"config file {path!r}: get_config{signature} cannot take the one argument "
+            f"after the colon ({args[0]!r})"
+        ) from None
+    raise ConfigError(
+        f"config file {path!r} has no modes (get_config() takes no argument): drop ':{args[0]}'"
+    )
+
+
+def _described(error: BaseException) -> str:
+    """``NameError at configs/x.py:12 in get_config: ... (--debug shows the traceback)``:
+    the location is the innermost frame in the user's code (not replicator's or a
+    library's)."""
+    where = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if _is_users_code(frame.filename):
+            scope = "" if frame.name == "<module>" else f" in {frame.name}"
+            where = f" at {_shown_path(frame.filename)}:{frame.lineno}{scope}"
+    return f"{type(error).__name__}{where}: {one_line(str(error))} (--debug shows the traceback)"
+
+
+_NOT_USERS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # replicator itself
+    *{sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")},
+)
+
+
+def _is_users_code(filename: str) -> bool:
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return False
+    filename = os.path.abspath(filename)
+    return not any(filename.startswith(os.path.join(top, "")) for top in _NOT_USERS)
+
+
+def _shown_path(filename: str) -> str:
+    """A path as short as it is clear: relative when under the working directory."""
+    relative = os.path.relpath(os.path.abspath(filename))
+    return filename if relative.startswith("..") else relative
 
 
 def check_importable(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -162,6 +327,104 @@ def take_nulled(argv: list[str]) -> list[str]:
 def _may_be_none(key: str) -> bool:
     schema = config_lib.SCHEMA.get(key)
     return schema is not None and None in schema[0]
+
+
+def write_overrides_as_literals(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config.KEY=dict(a=1, ...)`` written as the literal
+    ``{'a': 1, ...}`` that ml_collections parses (config files and the guide write
+    dicts both ways); a dict or tuple key whose value is no such literal is a
+    `UsageError` that shows the forms it takes.
+
+    >>> write_overrides_as_literals(["train", "--config.optimizer_args=dict(b1=0.9, b2=0.95)"])
+    ['train', "--config.optimizer_args={'b1': 0.9, 'b2': 0.95}"]
+    """
+    kept = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return kept + argv[i:]
+        override = re.fullmatch(r"(--?config\.([\w.]+))=(.*)", arg, re.S)
+        if override:
+            flag, key, text = override.groups()
+            arg = _as_literal(flag, key, text)
+        kept.append(arg)
+    return kept
+
+
+_NO_LITERAL = object()
+
+
+def _as_literal(flag: str, key: str, text: str) -> str:
+    types = config_lib.SCHEMA[key][0] if key in config_lib.SCHEMA else ()
+    if str in types and dict not in types:
+        return f"{flag}={text}"  # a path, a regex, a name: whatever it says
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+        value = _literal_value(tree.body)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        tree, value = None, _NO_LITERAL
+    expected = _expected_literal(key)
+    if expected and not isinstance(value, expected[0]):
+        raise UsageError(
+            f"{flag}={text} is not {expected[1]}; write a Python literal, e.g. "
+            f"{_literal_examples(key)}"
+        )
+    if tree is None or not any(isinstance(node, ast.Call) for node in ast.walk(tree)):
+        return f"{flag}={text}"
+    return f"{flag}={value!r}"
+
+
+def _literal_value(node: ast.expr) -> Any:
+    """A literal's value, ``dict(k=v, ...)`` read as ``{'k': v, ...}``; never evaluated."""
+    if isinstance(node, ast.Call):
+        if not (isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args):
+            raise ValueError("only dict(key=value, ...) calls")
+        if any(keyword.arg is None for keyword in node.keywords):
+            raise ValueError("no **")
+        return {keyword.arg: _literal_value(keyword.value) for keyword in node.keywords}
+    if isinstance(node, ast.Dict):
+        if None in node.keys:
+            raise ValueError("no **")
+        return {_literal_value(k): _literal_value(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.Tuple, ast.List)):
+        items = [_literal_value(item) for item in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    return ast.literal_eval(node)
+
+
+def _expected_literal(key: str) -> tuple[tuple[type, ...], str] | None:
+    """The types a top-level key's override must read as, where a str is never right
+    (a key that is None by default: ml_collections would keep a str as it is)."""
+    if key not in config_lib.SCHEMA:
+        return None
+    types, default, _ = config_lib.SCHEMA[key]
+    if str in types:
+        return None
+    if dict in types:
+        return (dict,), "a dict"
+    if tuple in types and default is None:
+        return (tuple, list), "a tuple"
+    return None
+
+
+def _literal_examples(key: str) -> str:
+    """How to write ``key`` on the command line, from its meaning's own example."""
+    meaning = config_lib.SCHEMA[key][2]
+    dict_key = dict in config_lib.SCHEMA[key][0]
+    for example in re.findall(r"e\.g\. (\{[^}]*\}|\(.*?\),\))", meaning):
+        try:
+            value = ast.literal_eval(example)
+            break
+        except (SyntaxError, ValueError):
+            continue
+    else:
+        value = {"key": 1} if dict_key else (("regex", "value"),)
+    literal = f'--config.{key}="{value!r}"'
+    if not dict_key:
+        return f"{literal} (a tuple of one pair ends with a comma)"
+    if all(isinstance(name, str) and name.isidentifier() for name in value):
+        call = ", ".join(f"{name}={item!r}" for name, item in value.items())
+        return f'--config.{key}="dict({call})" or {literal}'
+    return literal
 
 
 def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
@@ -326,11 +589,21 @@ def _override_error(text: str) -> UsageError | None:
             f"config.{parent} is None in this config, so config.{key} cannot be set alone; "
             f"""set it whole, e.g. --config.{parent}="{{'{sub}': VALUE}}\""""
         )
-    literal = re.search(r"Failed to parse '(.*)' as a ConfigDict", text)
-    if literal:
+    untyped = re.search(r"Type <class 'NoneType'> of field config\.([\w.]+) is not supported", text)
+    if untyped:
+        key = untyped.group(1)
         return UsageError(
-            f"cannot read {literal.group(1)!r} as a dict: write a Python literal, e.g. "
-            """--config.mesh="{'data': 4}", or set one key, e.g. --config.mesh.data=4"""
+            f"config.{key} is None in the config file, with no type to read --config.{key} "
+            "as; in the file, start from base_config() (whose keys all have one) or set it to "
+            "ml_collections.config_dict.placeholder(TYPE)"
+        )
+    literal = re.search(r"--config\.([\w.]+)=.*Failed to parse '(.*)' as a ConfigDict", text)
+    if literal:
+        key, value = literal.groups()
+        return UsageError(
+            f"cannot read {value!r} as a dict: write a Python literal, e.g. "
+            f"""--config.{key}="dict(key=1)" or --config.{key}="{{'key': 1}}", """
+            f"or set one key, e.g. --config.{key}.KEY=VALUE"
         )
     return None
 
@@ -339,8 +612,8 @@ def parse_for_help(argv: list[str]) -> None:
     """Parses the flags that were given with ``--help``, to show a config's values."""
     rest = [a for a in argv if a not in HELP]
     value = argv_value(rest, "config")
-    if value is not None and not os.path.isfile(value.split(":", 1)[0]):
-        raise UsageError(f"config file {value.split(':', 1)[0]!r} does not exist")
+    if value is not None:
+        _check_is_file(value.split(":", 1)[0])
     if value is not None and _file_given:
         import_beside_config(value.split(":", 1)[0])
     sys.argv = rest

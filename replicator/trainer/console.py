@@ -20,6 +20,7 @@ import warnings
 from absl import logging as absl_logging
 
 from replicator import storage
+from replicator.errors import UserError
 
 
 class Console:
@@ -151,10 +152,16 @@ class Console:
         print(*values, file=self.out, flush=True)
 
     def report(self, error: BaseException, *, summary: str | None) -> None:
-        """An error: its traceback in the log; on the terminal ``summary`` (one line), or
-        the traceback when None."""
+        """An error: on the terminal ``summary`` (one line), or the traceback when None.
+
+        The log gets the traceback too, but for a `UserError` with a summary: a
+        command refused for its input writes one line into a run's log, as on the
+        terminal (with every item of a list the terminal shortens)."""
         text = "".join(traceback.format_exception(error))
-        self._write_log(text)
+        if summary is not None and isinstance(error, UserError):
+            self._write_log(f"error: {one_line(str(error), items_shown=sys.maxsize)}\n")
+        else:
+            self._write_log(text)
         self.err.write(text if summary is None else summary + "\n")
         self.err.flush()
 

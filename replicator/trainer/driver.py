@@ -10,6 +10,8 @@ reduced across replicas -> `actions` (log, evaluate, save) -> writers.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from typing import Any
 
 import jax
@@ -205,7 +207,7 @@ def _start(run: Run, workdir: str, train_iter, strict: bool, start_from):
         best_metric=config.best_metric,
         best_mode=config.best_mode,
     )
-    state, start = _restore_or_init(run, checkpoints, train_iter, strict, start_from)
+    state, start = _restore_or_init(run, checkpoints, train_iter, strict, start_from, workdir)
     if start == 0 and storage.exists(storage.join(workdir, "metrics.jsonl")):
         log.info(
             "No complete checkpoint in %s: training from step 0 (the earlier attempt's "
@@ -226,7 +228,7 @@ def _init_from(run: Run, workdir: str):
 
     def plan_and_read():
         the_plan = init_from.plan(config.init_from, config.init_from_rules,
-                                  run.abstract_state, run.repl)  # fmt: skip
+                                  run.abstract_state, run.repl, config.init_from_skip)  # fmt: skip
         return the_plan, init_from.read(the_plan, run.abstract_state, run.repl)
 
     if storage.exists(storage.join(workdir, "checkpoints")):
@@ -235,7 +237,9 @@ def _init_from(run: Run, workdir: str):
     return lambda: loaded
 
 
-def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: bool, start_from):
+def _restore_or_init(
+    run: Run, checkpoints: Checkpoints, train_iter, strict: bool, start_from, workdir: str
+):
     """The newest readable checkpoint's state and step (moving the iterator there), or
     a fresh state at step 0 (with ``init_from``'s arrays, by the plan ``start_from``)."""
     if checkpoints.latest_step() is None:
@@ -244,8 +248,7 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
             the_plan, arrays = start_from()
             # The EMA starts from the loaded parameters, not from the initialisation.
             state = ema.restart(init_from.place(the_plan, arrays, state))
-            log.info("%s", the_plan.report())
-            log.info("%s", the_plan.details(), extra={"log_only": True})
+            _tell_init_from(the_plan, workdir)
         return state, 0
     try:
         state = checkpoints.restore(like=run.abstract_state, strict=strict)
@@ -264,6 +267,24 @@ def _restore_or_init(run: Run, checkpoints: Checkpoints, train_iter, strict: boo
         )
     log.info("Resumed from step %d in %s", step, checkpoints.directory)
     return state, step
+
+
+def _tell_init_from(the_plan: init_from.Plan, workdir: str) -> None:
+    """What ``init_from`` loaded: its line on the console, every path in ``log.txt``. The
+    CLI's console routes the log records so; from Python, where no handler shows
+    replicator's info records, the line goes to stderr and the paths to
+    ``WORKDIR/log.txt`` here."""
+    log.info("%s", the_plan.report())
+    log.info("%s", the_plan.details(), extra={"log_only": True})
+    # (The CLI's console writes log.txt itself; only process 0 reports, as there.)
+    if (log.handlers and not log.propagate) or jax.process_index() != 0:
+        return
+    if not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        print(the_plan.report(), file=sys.stderr, flush=True)
+    path = storage.join(workdir, "log.txt")
+    before = storage.read_text(path) if storage.exists(path) else ""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    storage.write_text(path, f"{before}==== {stamp} train_and_evaluate\n{the_plan.details()}\n")
 
 
 def _evaluate_and_write(run: Run, writer, state, step: int, workdir: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import optax
 
 import replicator as rp
 from replicator.diloco import DiLoCo
+from replicator.errors import ConfigError
 from replicator.replicator import Replicator
 from replicator.trainer.optimizer import OptimizerSpec, make_optimizer
 
@@ -50,6 +51,12 @@ class Settings:
         freezing); None: ``optimizer`` at a constant ``learning_rate``.
       remat_policy: the config's ``remat_policy`` (`replicator.remat`); an experiment
         whose model names no tensors refuses anything but None.
+      pipeline_microbatches: the config's ``pipeline_microbatches``: how many
+        pieces a layer stack's pipeline (`rp.pipeline`, over the mesh's ``stage``
+        axis) cuts the batch into; None: one per stage.
+      pipeline_repeats: the config's ``pipeline_repeats``: 1 for GPipe, more for a
+        circular schedule. An experiment whose model is not a layer stack refuses
+        a ``stage`` axis.
     """
 
     repl: Replicator
@@ -62,6 +69,19 @@ class Settings:
     sync: DiLoCo | None = None
     optimizer_spec: OptimizerSpec | None = None
     remat_policy: str | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
+
+    def refuse_pipeline(self, experiment: str) -> None:
+        """Raises a one-line `ConfigError` when the config asks ``experiment``, whose
+        model is no stack of layers, for a pipeline (a ``stage`` axis or its keys)."""
+        asked = "stage" in self.repl.mesh.axis_names or self.pipeline_microbatches is not None
+        if asked or self.pipeline_repeats != 1:
+            raise ConfigError(
+                f"a pipeline (mesh axis 'stage', pipeline_microbatches, pipeline_repeats): "
+                f"the model of {experiment} is no stack of layers to split over stages; "
+                "pipelines apply to the LM (experiments.lm)"
+            )
 
     @property
     def spec(self) -> OptimizerSpec:

@@ -6,7 +6,10 @@ parameters and model state (every saved array whose path has a ``params`` or
 ``model_state`` key) are loaded into the fresh state where a model path takes
 them; the optimizer state, step and RNG start fresh. ``init_from_rules``, pairs
 ``(regex, replacement)`` applied in order with `re.sub`, rename the checkpoint's
-paths to the model's (``('^params/backbone/', 'params/')``).
+paths to the model's (``('^params/backbone/', 'params/')``). ``init_from_skip``, a
+regex over the model's paths (``params/head/``), names arrays not to load even where
+the checkpoint has them (big_vision's ``dont_load``): they keep their fresh
+initialisation, whatever their shape in the checkpoint.
 
 `plan` reads only the checkpoint's metadata and fails, before anything is
 written, on a source that is not there or of other shapes; `read` reads the
@@ -43,21 +46,25 @@ class Plan:
     sources: dict[str, str]
     fresh: list[str]
     unused: list[str]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # of fresh: init_from_skip's
 
     def report(self) -> str:
         """The console's line."""
+        by_skip = f" ({len(self.skipped)} by init_from_skip)" if self.skipped else ""
         line = (
             f"init_from {self.directory} step {self.step}: loaded {len(self.sources)} arrays, "
-            f"{len(self.fresh)} initialised fresh, {len(self.unused)} in the checkpoint unused"
+            f"{len(self.fresh)} initialised fresh{by_skip}, {len(self.unused)} in the "
+            "checkpoint unused"
         )
         return line + (" (listed in log.txt)" if self.fresh or self.unused else "")
 
     def details(self) -> str:
         """The log's lines: every path, by what happened to it."""
         lines = [f"init_from {self.directory} step {self.step}:"]
+        fresh = [f"{p} (init_from_skip)" if p in self.skipped else p for p in self.fresh]
         for title, paths in (
             ("loaded", [f"{m} <- {c}" if m != c else m for m, c in self.sources.items()]),
-            ("initialised fresh", self.fresh),
+            ("initialised fresh", fresh),
             ("in the checkpoint, unused", self.unused),
         ):
             lines.append(f"  {title} ({len(paths)}):")
@@ -98,12 +105,20 @@ def _is_model(name: str) -> bool:
     return any(key in _MODEL_KEYS for key in name.split("/"))
 
 
-def plan(spec: str, rules: Any, abstract_state: Any, repl) -> Plan:
+def plan(spec: str, rules: Any, abstract_state: Any, repl, skip: str | None = None) -> Plan:
     """Matches the checkpoint's arrays to the state's (reading metadata only).
+
+    Args:
+      spec: ``config.init_from``, ``PATH[:STEP]``.
+      rules: ``config.init_from_rules``, (regex, replacement) pairs, or None.
+      abstract_state: the fresh state's shapes.
+      repl: the Replicator.
+      skip: ``config.init_from_skip``: a regex over the state's paths not to load.
 
     Raises:
       ConfigError: no checkpoint there, an unreadable one, a rule that renames two
-        saved arrays to one path, or shapes that differ (every such path listed).
+        saved arrays to one path, a ``skip`` that finds no path, or shapes that
+        differ (every such path listed).
     """
     path, step = parse(spec)
     directory = checkpoints_dir(path)
@@ -126,10 +141,12 @@ def plan(spec: str, rules: Any, abstract_state: Any, repl) -> Plan:
         raise ConfigError(f"config.init_from={spec!r}: {e}") from None
     finally:
         source.close()
-    return _match(directory, step, saved, model_paths(abstract_state), rules or ())
+    return _match(directory, step, saved, model_paths(abstract_state), rules or (), skip)
 
 
-def _match(directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rules) -> Plan:
+def _match(
+    directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rules, skip=None
+) -> Plan:
     names = [n for n in saved if _is_model(n)]
     for regex, _ in rules:
         if not any(re.search(regex, name) for name in names):
@@ -148,7 +165,8 @@ def _match(directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rul
                 f"config.init_from_rules rename both {renamed[new]} and {name} to {new}"
             )
         renamed[new] = name
-    sources = {m: renamed[m] for m in wanted if m in renamed}
+    skipped = _skipped(skip, wanted)
+    sources = {m: renamed[m] for m in wanted if m in renamed and m not in skipped}
     wrong = [
         f"{m} {tuple(wanted[m].shape)} <- {c} {saved[c]}"
         for m, c in sources.items()
@@ -160,14 +178,29 @@ def _match(directory, step, saved: dict[str, tuple], wanted: dict[str, Any], rul
             f"(model <- checkpoint): {'; '.join(wrong)}"
         )
     if not sources:
+        but = f" but the {len(skipped)} init_from_skip finds" if skipped else ""
         raise ConfigError(
-            f"config.init_from: no array of {directory} step {step} fits the model's paths "
-            f"(saved e.g. {sorted(renamed)[:3]}, the model's e.g. {sorted(wanted)[:3]}); "
+            f"config.init_from: no array of {directory} step {step} fits the model's paths"
+            f"{but} (saved e.g. {sorted(renamed)[:3]}, the model's e.g. {sorted(wanted)[:3]}); "
             "rename them with config.init_from_rules"
         )
     fresh = sorted(set(wanted) - set(sources))
     unused = sorted(set(renamed.values()) - set(sources.values()))
-    return Plan(directory, step, sources, fresh, unused)
+    return Plan(directory, step, sources, fresh, unused, sorted(skipped))
+
+
+def _skipped(skip: str | None, wanted: dict[str, Any]) -> set[str]:
+    """The model's paths ``skip`` finds (``re.search``); one that finds none is a typo."""
+    if skip is None:
+        return set()
+    found = {m for m in wanted if re.search(skip, m)}
+    if not found:
+        names = sorted(wanted)
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise ConfigError(
+            f"config.init_from_skip={skip!r} matches no path of the model; its paths: {shown}"
+        )
+    return found
 
 
 def read(the_plan: Plan, abstract_state: Any, repl) -> dict:

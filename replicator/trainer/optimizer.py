@@ -5,27 +5,37 @@ What a researcher sets, each one optax piece, composed in one place
 
 1. the alias named by ``optimizer`` (``optax.adam``, ``optax.sgd``, ...) with
    ``optimizer_args``, its learning rate the schedule (`make_schedule`:
-   ``lr_schedule``, ``warmup_steps``, ``lr_end_fraction``);
+   ``lr_schedule``, ``warmup_steps``, ``lr_end_fraction``) peaking at
+   ``learning_rate``, scaled by the batch size where ``lr_batch_scaling`` says
+   (`OptimizerSpec.batch_factor`);
 2. decoupled weight decay (``weight_decay``), the alias's own where it has one
    (``adamw``, ``lion``, ``lamb``), else `decayed_weights`, scaled by the schedule
    either way; by default not on parameters with fewer than 2 dimensions;
-3. ``freeze``: ``optax.multi_transform`` with ``optax.set_to_zero`` for the
+3. ``lr_mults``: `multiply_updates`, each parameter's update (decay included)
+   times the factor of the first ``(regex, factor)`` pair that finds its path,
+   which is its learning rate times that factor at every step of the schedule;
+4. ``freeze``: ``optax.multi_transform`` with ``optax.set_to_zero`` for the
    matching parameters, which then hold no optimizer state;
-4. ``ema_decay``: `replicator.ema.track`, last, so it averages the new parameters.
+5. ``ema_decay``: `replicator.ema.track`, last, so it averages the new parameters.
 
 The Replicator's wrapper goes around all of it (`Replicator.wrap_optimizer`): the
 gradients are summed (``grad_reduce_dtype``), their global norm kept and clipped
-(``grad_clip_norm``) before the chain sees them. Parameter paths are the keys
-joined by ``/`` (``Dense_0/kernel``; an NNX state's ``conv1/kernel``); a regex
-matches a path where `re.search` finds it.
+(``grad_clip_norm``) before the chain sees them. Frozen parameters take no part
+in that norm: `mark_frozen` tells each `rp.TrainState` of the run which they are,
+and its ``value_and_grad`` differentiates the others only (no backward pass for
+the frozen ones, whose gradient is zero), as big_vision's
+``optax.masked(clip_by_global_norm(c), not_frozen)`` clips. Parameter paths are
+the keys joined by ``/`` (``Dense_0/kernel``; an NNX state's ``conv1/kernel``); a
+regex matches a path where `re.search` finds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +45,7 @@ import optax
 
 from replicator import ema
 from replicator.errors import ConfigError
+from replicator.state import TrainState
 
 PyTree = Any
 
@@ -56,6 +67,10 @@ class OptimizerSpec:
     grad_reduce_dtype: str | None = None
     ema_decay: float | None = None
     freeze: str | None = None
+    lr_mults: tuple[tuple[str, float], ...] = ()
+    batch_size: int | None = None
+    lr_base_batch_size: int | None = None
+    lr_batch_scaling: str | None = None
 
     @classmethod
     def from_config(cls, config) -> OptimizerSpec:
@@ -73,13 +88,40 @@ class OptimizerSpec:
             grad_reduce_dtype=config.grad_reduce_dtype,
             ema_decay=config.ema_decay,
             freeze=config.freeze,
+            lr_mults=tuple((str(r), float(f)) for r, f in config.lr_mults or ()),
+            batch_size=config.batch_size,
+            lr_base_batch_size=config.lr_base_batch_size,
+            lr_batch_scaling=config.lr_batch_scaling,
         )
 
+    @property
+    def batch_factor(self) -> float:
+        """What the learning rate is multiplied by for ``batch_size``: ``batch_size /
+        lr_base_batch_size`` (``linear``), its square root (``sqrt``), or 1.
+
+        >>> spec = OptimizerSpec(batch_size=1024, lr_base_batch_size=256, lr_batch_scaling="sqrt")
+        >>> spec.batch_factor
+        2.0
+        """
+        if self.lr_batch_scaling is None:
+            return 1.0
+        if self.lr_batch_scaling not in ("linear", "sqrt") or not (
+            self.lr_base_batch_size and self.batch_size
+        ):
+            raise ConfigError(
+                f"config.lr_batch_scaling={self.lr_batch_scaling!r} needs 'linear' or 'sqrt', "
+                f"a batch_size and a lr_base_batch_size (got {self.batch_size!r} and "
+                f"{self.lr_base_batch_size!r})"
+            )
+        ratio = self.batch_size / self.lr_base_batch_size
+        return ratio if self.lr_batch_scaling == "linear" else math.sqrt(ratio)
+
     def schedule(self, peak: float | None = None) -> optax.Schedule:
-        """The learning rate by update count, peaking at ``peak`` (default: the config's)."""
+        """The learning rate by update count, peaking at ``peak`` (default: the config's)
+        times `batch_factor`."""
         return make_schedule(
             self.lr_schedule,
-            self.learning_rate if peak is None else peak,
+            (self.learning_rate if peak is None else peak) * self.batch_factor,
             self.warmup_steps,
             self.num_train_steps,
             self.lr_end_fraction,
@@ -184,6 +226,59 @@ def decayed_weights(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def first_match(pairs: Sequence[tuple[str, Any]], name: str) -> int | None:
+    """The index of the first ``(regex, value)`` pair whose regex finds ``name``, or None.
+
+    >>> first_match([("head", 10.0), ("/kernel$", 0.1)], "head/kernel")
+    0
+    """
+    return next((i for i, (regex, _) in enumerate(pairs) if re.search(regex, name)), None)
+
+
+def multiply_updates(lr_mults: Sequence[tuple[str, float]]) -> optax.GradientTransformation:
+    """Each parameter's update times the factor of the first ``(regex, factor)`` pair
+    whose regex finds its path (`first_match`; 1 where none does): after the alias
+    and the decay, this is the parameter's learning rate times the factor.
+
+    >>> tx = multiply_updates([("backbone", 0.5)])
+    >>> tx.update({"backbone": jnp.ones(2), "head": jnp.ones(2)}, tx.init(None))[0]["backbone"]
+    Array([0.5, 0.5], dtype=float32)
+    """
+    pairs = tuple(lr_mults)
+
+    def factor(path, _) -> float:
+        found = first_match(pairs, path_name(path))
+        return 1.0 if found is None else pairs[found][1]
+
+    def update_fn(updates, state, params=None):
+        del params
+        factors = jax.tree_util.tree_map_with_path(factor, updates)
+        scaled = jax.tree.map(
+            lambda u, f: u if f == 1.0 else u * jnp.asarray(f, u.dtype), updates, factors
+        )
+        return scaled, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def mark_frozen(state: PyTree, regex: str | None) -> PyTree:
+    """``state`` with each `rp.TrainState` in it told which of its parameters ``regex``
+    freezes (`TrainState.frozen`): its ``value_and_grad`` then differentiates the
+    others only, so the frozen ones cost no backward pass and add nothing to the
+    gradient's norm or its clipping."""
+    if regex is None:
+        return state
+    is_state = lambda x: isinstance(x, TrainState)
+
+    def mark(x):
+        if not is_state(x):
+            return x
+        frozen = jax.tree.leaves(matching(regex, x.params, lambda _: False))
+        return x.replace(frozen=tuple(frozen) if any(frozen) else None)
+
+    return jax.tree.map(mark, state, is_leaf=is_state)
+
+
 def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.GradientTransformation:
     """The chain the config describes (the module docstring's order), unwrapped.
 
@@ -209,6 +304,8 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
         ) from None
     if spec.weight_decay and not own_decay:
         tx = optax.chain(tx, decayed_weights(spec.weight_decay, schedule, mask))
+    if spec.lr_mults:
+        tx = optax.chain(tx, multiply_updates(spec.lr_mults))
     if spec.freeze is not None:
         labels = lambda params: jax.tree.map(
             lambda frozen: "frozen" if frozen else "trained",
@@ -221,7 +318,8 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
 
 
 def describe(spec: OptimizerSpec, params: PyTree) -> str:
-    """One line for the log: the optimizer, schedule and what is frozen and decayed.
+    """One line for the log: the optimizer, schedule (its effective peak rate) and what
+    is frozen and decayed; with ``lr_mults``, a second line: what each pair takes.
 
     >>> import jax.numpy as jnp
     >>> params = {"dense": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)}}
@@ -241,7 +339,12 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
     line += f"; {spec.name}"
     if spec.args:
         line += "(" + ", ".join(f"{k}={v!r}" for k, v in spec.args.items()) + ")"
-    line += f", {spec.lr_schedule} learning rate {spec.learning_rate:g}"
+    line += f", {spec.lr_schedule} learning rate {spec.learning_rate * spec.batch_factor:g}"
+    if spec.lr_batch_scaling is not None:
+        line += (
+            f" ({spec.learning_rate:g} x {spec.batch_factor:.4g}, {spec.lr_batch_scaling} in "
+            f"batch_size {spec.batch_size} / lr_base_batch_size {spec.lr_base_batch_size})"
+        )
     if spec.warmup_steps:
         line += f" after {spec.warmup_steps} warmup steps"
     if spec.lr_schedule in ("cosine", "linear"):
@@ -255,4 +358,27 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
         )
         if value is not None
     ]
-    return line + ("; " + ", ".join(extras) if extras else "")
+    line += "; " + ", ".join(extras) if extras else ""
+    return line + ("\n" + describe_lr_mults(spec.lr_mults, params) if spec.lr_mults else "")
+
+
+def describe_lr_mults(lr_mults: Sequence[tuple[str, float]], params: PyTree) -> str:
+    """What each ``lr_mults`` pair takes (first match wins), for the log.
+
+    >>> params = {"backbone": {"kernel": jnp.zeros((3, 4))}, "head": {"kernel": jnp.zeros(4)}}
+    >>> describe_lr_mults([("backbone/", 0.1)], params)
+    "lr_mults: 'backbone/' x0.1 on 12 parameters (1 arrays); the other 4 (1 arrays) x1"
+    """
+    pairs = tuple(lr_mults)
+    counts = [[0, 0] for _ in range(len(pairs) + 1)]  # [parameters, arrays]; last: the rest
+    for name, x in zip(path_names(params), jax.tree.leaves(params)):
+        found = first_match(pairs, name)
+        count = counts[len(pairs) if found is None else found]
+        count[0] += int(np.prod(np.shape(x)))
+        count[1] += 1
+    taken = [
+        f"{regex!r} x{factor:g} on {n:,} parameters ({k} arrays)"
+        for (regex, factor), (n, k) in zip(pairs, counts)
+    ]
+    (n, k) = counts[-1]
+    return f"lr_mults: {', '.join(taken)}; the other {n:,} ({k} arrays) x1"

@@ -141,6 +141,8 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             sync=sync,
             optimizer_spec=OptimizerSpec.from_config(config),
             remat_policy=config.remat_policy,
+            pipeline_microbatches=config.pipeline_microbatches,
+            pipeline_repeats=config.pipeline_repeats,
         ),
     )
     if training:
@@ -154,7 +156,10 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         config.dataset, config.eval_split, data_dir=config.data_dir, fill_in_background=True
     )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
-    init = functools.partial(experiment.init_state, jax.random.key(config.seed), example)
+    init = _frozen_in(
+        functools.partial(experiment.init_state, jax.random.key(config.seed), example),
+        config.freeze,
+    )
     abstract = jax.eval_shape(init)
     _check_optimizer_keys(config, abstract)
     if sync is None:
@@ -186,17 +191,34 @@ def train_params(state: Any) -> list[Any]:
     return [x.params for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
 
 
+def _frozen_in(init: Callable, regex: str | None) -> Callable:
+    """``init`` whose train states know what ``config.freeze`` freezes
+    (`optimizer.mark_frozen`: their steps differentiate the rest only)."""
+    if regex is None:
+        return init
+    return lambda: optimizer.mark_frozen(init(), regex)
+
+
 def _check_optimizer_keys(config, abstract: Any) -> None:
-    """The optimizer keys that need the state to check: a ``freeze`` or
-    ``weight_decay_mask`` that matches nothing is a typo, not a choice; an EMA needs
-    parameters (and no DiLoCo); a bf16 sum needs the per-replica path."""
+    """The optimizer keys that need the state to check: a ``freeze``,
+    ``weight_decay_mask`` or ``lr_mults`` regex that matches nothing is a typo, not a
+    choice; an EMA needs parameters (and no DiLoCo); a bf16 sum needs the per-replica
+    path."""
     names = [name for params in train_params(abstract) for name in optimizer.path_names(params)]
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
     for key in ("freeze", "weight_decay_mask"):
         regex = config[key]
         if regex is None or any(re.search(regex, name) for name in names):
             continue
-        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
         raise ConfigError(f"config.{key}={regex!r} matches no parameter path; the paths: {shown}")
+    pairs = tuple(config.lr_mults or ())
+    taken = {optimizer.first_match(pairs, name) for name in names}
+    for i, (regex, factor) in enumerate(pairs):
+        if i not in taken:
+            raise ConfigError(
+                f"config.lr_mults: ({regex!r}, {factor!r}) takes no parameter (the first pair "
+                f"whose regex finds a path takes it); the paths: {shown}"
+            )
     if config.grad_reduce_dtype is not None and config.step_path == "compile":
         log.warning(
             "config.grad_reduce_dtype=%r changes nothing under step_path='compile' (XLA sums "
@@ -290,7 +312,7 @@ def _flat_axes(mesh: dict[str, int], dcn_mesh: dict[str, int]) -> dict[str, int]
     within slices stays the one -1 (a -1 across them then counts as 1)."""
     free_within = -1 in mesh.values()
     flat = {}
-    for name in mesh_lib.MESH_AXES:
+    for name in mesh_lib.AXES:
         within, across = mesh.get(name, 1), dcn_mesh.get(name, 1)
         if within == -1 or (across == -1 and not free_within):
             flat[name] = -1

@@ -130,7 +130,8 @@ def prepare_dataset(
     Does nothing where the dataset is prepared already. Into a bucket, the
     dataset is built locally (under ``cache_dir``, where it stays as this
     machine's copy) and uploaded, its metadata last, so that a run reading the
-    bucket meanwhile never takes a partial upload for the dataset.
+    bucket meanwhile never takes a partial upload for the dataset; one printed
+    line then names the bucket's copy, which the runs read.
 
     Args:
         name: tfds name, optionally with config and version, of a builder of
@@ -162,6 +163,10 @@ def prepare_dataset(
                 raise DatasetNotPreparedError(_not_prepared_message(name, builder, True))
             local_dir = _build_copy(name, builder, cache_dir)
             remote.upload(local_dir, version_url)
+            # tfds reports the build in this machine's copy; the runs read the bucket's.
+            print(f"Dataset {name} prepared in {version_url} (uploaded from {local_dir}).")
+        else:
+            print(f"Dataset {name} is prepared in {version_url} already.")
         return version_url
     builder = _get_builder(name, data_dir)
     if not builder.is_prepared():
