@@ -28,7 +28,6 @@ ones, so a checkpoint written on 8 devices restores on 1 or 3.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -45,7 +44,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint.future import CommitFutureAwaitingContractedSignals
 
-from replicator import storage
+from replicator import checkpoint_files, storage
+from replicator.checkpoint_files import storage_errors
 from replicator.errors import CheckpointMismatchError as CheckpointMismatchError
 from replicator.errors import CheckpointNotFoundError as CheckpointNotFoundError
 from replicator.errors import CorruptCheckpointError as CorruptCheckpointError
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 PyTree = Any
 log = logging.getLogger("replicator")
-_BARRIERS = itertools.count()  # every process moves the same steps aside, in the same order
 
 
 class Checkpoints:
@@ -117,7 +116,7 @@ class Checkpoints:
         if keep_best and best_metric is None:
             raise ValueError("keep_best needs best_metric: the name of the metric that ranks.")
         self.directory = storage.normalize(directory)  # a local path or a gs:// URL
-        storage.check_bucket(self.directory)  # a missing bucket: one line, not Orbax's retries
+        checkpoint_files.check_directory(self.directory)  # a missing bucket: one line
         self.repl = repl
         self.read_only = read_only
         self._async = async_save
@@ -227,8 +226,7 @@ class Checkpoints:
         """
         # Orbax would wait for the previous save anyway; finishing it first lets
         # reload() see its metrics along with any a sidecar evaluator added since.
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+        self.wait()
         if self._keep_best:
             self._manager.reload()
         listed = step in self._manager.all_steps()
@@ -244,22 +242,28 @@ class Checkpoints:
             self._before_commit.pending = (before_commit, returned)
             items["before_commit"] = ocp.args.JsonSave({})  # written by the handler
         try:
-            self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+            with storage_errors(f"save checkpoint {step} in", self.directory):
+                self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
+                                   force=True)  # fmt: skip
         finally:
             returned.set()
 
     def wait(self) -> None:
-        """Blocks until the save in flight is finalized; raises its error if it failed."""
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+        """Blocks until the save in flight is finalized; raises its error if it failed (a
+        storage failure as a `StorageError`; an outage, a `StorageUnavailableError`)."""
+        with storage_errors("save a checkpoint in", self.directory):
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
 
     def check_for_errors(self) -> None:
         """Raises the error of a failed background save, if any, without waiting."""
-        self._manager.check_for_errors()
+        with storage_errors("save a checkpoint in", self.directory):
+            self._manager.check_for_errors()
 
     def close(self) -> None:
         """Waits for the save in flight, then releases the manager."""
-        self._manager.wait_until_finished()
+        with storage_errors("save a checkpoint in", self.directory):
+            self._manager.wait_until_finished()
         self._manager.close()
 
     def restore(
@@ -395,15 +399,11 @@ class Checkpoints:
         log.warning("%s; %srestored step %d instead.", error, moved, instead)
 
     def _set_aside_unfinished(self) -> None:
-        """Moves the remains of saves cut short (a kill mid-save) out of the way. In a
-        bucket Orbax marks a finished step with ``commit_success.txt`` instead of
-        renaming a temporary directory, so an unfinished one leaves objects at its
-        step's name, which the next save of that step would delete."""
-        finished = set(self._manager.all_steps())
-        for name in storage.listdir(self.directory):
-            if name.isdigit() and int(name) not in finished:
-                moved = self._move_aside(int(name), "unfinished")
-                log.info("An unfinished save of step %s was moved to %s.", name, moved)
+        """Moves the remains of saves cut short (a kill or an outage mid-save) out of the
+        way (`unfinished_steps`)."""
+        for step in checkpoint_files.unfinished_steps(self.directory, self._manager.all_steps()):
+            moved = self._move_aside(step, "unfinished")
+            log.info("An unfinished save of step %d was moved to %s.", step, moved)
 
     def _step_path(self, step: int) -> epath.Path:
         return storage.path(self.directory) / str(step)
@@ -411,18 +411,10 @@ class Checkpoints:
     def _move_aside(self, step: int, reason: str) -> str:
         """Moves step's directory to ``<directory>.<reason>/<step>`` (a fresh name if
         taken) on process 0, and forgets it, so that the step can be saved again."""
-        aside = storage.path(f"{self.directory}.{reason}")
-        target, n = aside / str(step), 0
-        if jax.process_index() == 0:
-            while target.exists():
-                n += 1
-                target = aside / f"{step}.{n}"
-            storage.move(self._step_path(step), target)
-        if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"replicator_aside_{step}_{next(_BARRIERS)}")
+        target = checkpoint_files.move_aside(self.directory, step, reason)
         self._json.pop(step, None)
         self._manager.reload()
-        return str(target)
+        return target
 
     def _read_json(self, step: int) -> dict[str, Any]:
         """The JSON items (``data``, ``config``) that ``step`` has, read once."""
@@ -434,24 +426,27 @@ class Checkpoints:
         return self._json[step]
 
     def _read(self, step: int, **items) -> Any:
-        try:
-            return self._manager.restore(step, args=ocp.args.Composite(**items))
-        except (CheckpointMismatchError, KeyboardInterrupt):
-            raise
-        except Exception as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint at step {step} in {self.directory} is unreadable: "
-                f"{type(e).__name__}: {_first_line(e)}"
-            ) from e
+        # A storage that does not answer is an outage, not damage: nothing is set aside.
+        with storage_errors(f"read checkpoint {step} in", self.directory):
+            try:
+                return self._manager.restore(step, args=ocp.args.Composite(**items))
+            except (CheckpointMismatchError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"Checkpoint at step {step} in {self.directory} is unreadable: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from e
 
     def _check_structure(self, step: int, target: PyTree, *, partial: bool = False) -> None:
-        try:
-            saved = self._manager.item_metadata(step)["state"]
-        except Exception as e:
-            raise CorruptCheckpointError(
-                f"Checkpoint at step {step} in {self.directory} has unreadable metadata: "
-                f"{type(e).__name__}: {_first_line(e)}"
-            ) from e
+        with storage_errors(f"read checkpoint {step} in", self.directory):
+            try:
+                saved = self._manager.item_metadata(step)["state"]
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"Checkpoint at step {step} in {self.directory} has unreadable metadata: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from e
         if saved is None:
             raise CorruptCheckpointError(
                 f"Checkpoint at step {step} in {self.directory} has no state/ item"

@@ -3,7 +3,9 @@
 A `UserError` says what was wrong with what the user gave (a flag, a config, a
 workdir, a checkpoint, a mesh, an axis name, a launch) and how to fix it, so
 ``python -m replicator`` prints it as one line, ``error: ...``, with exit status
-2. Any other exception is a bug and keeps its traceback (exit status 1).
+2. Any other exception is a bug and keeps its traceback (exit status 1). One
+`UserError` is no mistake: a `StorageUnavailableError` (a storage outage) is one
+line too, with its own exit status, 75.
 
 Each class keeps the built-in base it had before it lived here (a `ConfigError`
 is a ``ValueError``, a `StorageError` an ``OSError``), so ``except`` clauses
@@ -33,6 +35,13 @@ class ConfigError(UserError, ValueError):
 
 class StorageError(UserError, OSError):
     """A path cannot be read or written: a missing bucket, no permission, no answer."""
+
+
+class StorageUnavailableError(StorageError):
+    """The storage did not answer for the whole deadline (`replicator.storage.DEADLINE_S`):
+    an outage, not a mistake. Nothing is lost: the same command, rerun once the storage
+    answers, resumes from the last checkpoint. ``python -m replicator`` reports it in one
+    line with exit status 75 (``EX_TEMPFAIL``: try again later)."""
 
 
 class CheckpointMismatchError(UserError, ValueError):

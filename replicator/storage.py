@@ -17,6 +17,12 @@ saves a checkpoint, so that a run killed at any moment has on the bucket every
 record up to the checkpoint it will resume from; the records after it are
 redone on resume anyway.
 
+A storage that stops answering is retried by every library alike (this module's
+calls, gcsfs's requests: `gcsfs_with_deadline`, tensorstore's: `tensorstore_retries`)
+for at most `DEADLINE_S` after the first request it left unanswered: a shorter
+outage is ridden out, a longer one is one `StorageUnavailableError`, after which a
+call tries once, briefly (a run that stops writes what it still can, quickly).
+
 Tests point gcsfs and tensorstore at a local GCS server through their own
 variables (``STORAGE_EMULATOR_HOST``, ``TENSORSTORE_GCS_HTTP_URL``); nothing here
 is specific to tests.
@@ -24,10 +30,15 @@ is specific to tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -39,6 +50,7 @@ from typing import TypeVar
 from etils import epath
 
 from replicator.errors import StorageError as StorageError
+from replicator.errors import StorageUnavailableError as StorageUnavailableError
 
 log = logging.getLogger("replicator")
 T = TypeVar("T")
@@ -54,11 +66,12 @@ def _without_bucket_type_notice(record: logging.LogRecord) -> bool:
 logging.getLogger("gcsfs").addFilter(_without_bucket_type_notice)
 
 REMOTE_PREFIXES = ("gs://",)
-# Every call to the bucket gives up after this long, retries included: a missing
-# bucket, a bucket one cannot write or a server that does not answer ends in one
-# line, not a hang.
+# A storage that does not answer is retried for at most this long, counted from the
+# first request it left unanswered: a missing bucket, a bucket one cannot write or a
+# server that does not answer ends in one line, not a hang.
 DEADLINE_S = 60.0
-_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # then 8 s, until the deadline
+_LAST_TRY_S = 2.0  # what a call gets once the deadline has passed: one short try
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -85,7 +98,10 @@ def normalize(path: str | os.PathLike) -> str:
 
 def path(p: str | os.PathLike) -> epath.Path:
     """An `etils.epath.Path` for a local path or a ``gs://`` URL (through gcsfs)."""
-    return epath.Path(normalize(p))
+    p = normalize(p)
+    if is_remote(p):
+        gcsfs_with_deadline()
+    return epath.Path(p)
 
 
 def join(base: str | os.PathLike, *parts: str) -> str:
@@ -114,8 +130,10 @@ def call(what: str, url: str, fn: Callable[[], T], *, deadline_s: float | None =
     Local paths run ``fn`` once, as plain file code would. For a bucket, errors
     that retrying cannot fix (a missing object, no permission, a missing bucket)
     raise at once; others (a server that does not answer, a dropped connection)
-    are retried with backoff until the deadline. Either way the error is a
-    `StorageError` naming ``url`` and what was being done, in one line.
+    are retried with backoff until the deadline, counted from when the storage
+    went silent: this call's start, or the first request it left unanswered
+    before. Either way the error is a `StorageError` naming ``url`` and what was
+    being done, in one line.
 
     Args:
       what: what the call does, for the message, e.g. ``"write"``.
@@ -125,16 +143,25 @@ def call(what: str, url: str, fn: Callable[[], T], *, deadline_s: float | None =
 
     Returns:
       What ``fn`` returns.
+
+    Raises:
+      StorageUnavailableError: no answer within the deadline.
+      StorageError: a refusal (no such bucket, no permission).
+      FileNotFoundError: no such file.
     """
     if not is_remote(url):
         return fn()
+    gcsfs_with_deadline()
+    budget = DEADLINE_S if deadline_s is None else deadline_s
     start = time.monotonic()
-    deadline = start + (DEADLINE_S if deadline_s is None else deadline_s)
-    for attempt in range(len(_RETRY_DELAYS_S) + 1):
-        remaining = deadline - time.monotonic()
+    for attempt in itertools.count():
+        # Past the deadline already (an outage met before): one short try all the same.
+        first_try = min(_LAST_TRY_S, budget) if attempt == 0 else 0.0
+        asked = time.monotonic()
         try:
-            return _with_timeout(fn, remaining)
+            value = _with_timeout(fn, max(_deadline(start, budget) - asked, first_try))
         except FileNotFoundError:
+            _answered()
             raise
         except _BucketMissing as e:
             raise StorageError(f"cannot {what} {url}: {e}") from e
@@ -143,17 +170,43 @@ def call(what: str, url: str, fn: Callable[[], T], *, deadline_s: float | None =
         except Exception as e:  # noqa: BLE001  (gcsfs/aiohttp raise many kinds)
             if _is_permanent(e):
                 raise StorageError(f"cannot {what} {url}: {_reason(e)}") from e
+            _unanswered(asked)
             error = e
-        if (
-            attempt == len(_RETRY_DELAYS_S)
-            or time.monotonic() + _RETRY_DELAYS_S[attempt] > deadline
-        ):
+        else:
+            _answered()
+            return value
+        delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
+        if time.monotonic() + delay > _deadline(start, budget):
             break
-        time.sleep(_RETRY_DELAYS_S[attempt])
-    raise StorageError(
-        f"cannot {what} {url}: the storage service did not answer ({attempt + 1} tries in "
-        f"{time.monotonic() - start:.0f} s; last: {_reason(error)})"
+        time.sleep(delay)
+    raise StorageUnavailableError(
+        f"cannot {what} {url}: {_no_answer(since=_deadline(start, 0.0))} ({_reason(error)})"
     ) from error
+
+
+# When the first request left unanswered since the storage's last answer was sent.
+_silent_since: float | None = None
+_silence_lock = threading.Lock()
+
+
+def _unanswered(asked: float) -> None:
+    """Notes a request sent at ``asked`` that got no answer."""
+    global _silent_since
+    with _silence_lock:
+        if _silent_since is None or asked < _silent_since:
+            _silent_since = asked
+
+
+def _answered() -> None:
+    global _silent_since
+    _silent_since = None
+
+
+def _deadline(start: float, budget_s: float) -> float:
+    """When retrying a request begun at ``start`` stops: ``budget_s`` after the storage
+    went silent (this request's start, or an earlier request's left unanswered)."""
+    since = _silent_since
+    return (start if since is None else min(start, since)) + budget_s
 
 
 class _BucketMissing(Exception):
@@ -198,8 +251,145 @@ def _reason(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     if _forbidden(error) and len(lines) > 1:
         return f"permission denied: {lines[1][:300]}"  # the service says who lacks what
-    text = lines[0][:200] if lines else ""
+    # (tensorstore's errors end in a dump of their spec, which says nothing to a reader)
+    text = re.split(r"\s*\[tensorstore_spec=", lines[0])[0][:200] if lines else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def failure(error: BaseException, what: str, url: str) -> StorageError | None:
+    """The `StorageError` that ``error`` stands for, raised by a library (Orbax,
+    tensorstore, gcsfs) while it worked on ``url``; None when it stands for none (a
+    bug, or a missing file, which the caller judges).
+
+    No answer (refused or dropped connections, time-outs, server errors,
+    tensorstore's retries spent) is a `StorageUnavailableError`, past the deadline
+    from then on; a refusal (no permission), a `StorageError`.
+
+    >>> failure(ConnectionRefusedError(111, "Connection refused"), "save", "gs://b/c")
+    StorageUnavailableError('cannot save gs://b/c: the storage service did not answer (ConnectionRefusedError: [Errno 111] Connection refused)')
+    >>> failure(KeyError("a bug"), "save", "gs://b/c") is None
+    True
+    """  # noqa: E501
+    causes = _causes(error)
+    for e in causes:
+        if isinstance(e, StorageError):
+            return e
+    for e in causes:
+        if _is_unanswered(e):
+            text = f"cannot {what} {url}: {_no_answer(since=_silent_since)} ({_reason(e)})"
+            _unanswered(time.monotonic() - DEADLINE_S)  # past the deadline from now on
+            return StorageUnavailableError(text)
+        if isinstance(e, PermissionError) or _forbidden(e) or "PERMISSION_DENIED" in str(e):
+            return StorageError(f"cannot {what} {url}: {_reason(e)}")
+    return None
+
+
+def _no_answer(since: float | None) -> str:
+    silence = "" if since is None else f" for {time.monotonic() - since:.0f} s"
+    return f"the storage service did not answer{silence}"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, then what it was raised from or during, then the errors of a group."""
+    found, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is f for f in found):
+            continue
+        found.append(e)
+        context = None if e.__suppress_context__ else e.__context__  # (not: from None)
+        todo += [e.__cause__, context, *getattr(e, "exceptions", ())]
+    return found
+
+
+# tensorstore (Orbax's arrays) raises ValueErrors; these say it got no answer.
+_TENSORSTORE_NO_ANSWER = re.compile(r"retry attempts failed|CURL error")
+
+
+def _is_unanswered(e: BaseException) -> bool:
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, ValueError) and _TENSORSTORE_NO_ANSWER.search(str(e)):
+        return True
+    code = getattr(e, "code", None) or getattr(e, "status", None)
+    if isinstance(code, int) and not (code >= 500 or code in (408, 429)):
+        return False  # an answer: 404, 403, ...
+    module = type(e).__module__.split(".")[0]
+    if module == "google":  # google-auth: no token without a network
+        return type(e).__name__ == "TransportError" or isinstance(code, int)
+    # aiohttp's connection errors, gcsfs's HTTP errors, requests' (gcsfs's 502).
+    return module in ("aiohttp", "gcsfs", "requests") and not isinstance(
+        e, (FileNotFoundError, PermissionError)
+    )
+
+
+@functools.cache
+def gcsfs_with_deadline() -> None:
+    """Makes every ``gs://`` path of this process (this module's, and Orbax's, tfds's,
+    through epath and fsspec) go through gcsfs with this module's deadline: retried
+    as `call` retries, where gcsfs alone gives up after 6 tries in about 30 s (the
+    error Orbax lets through), and a try given up after 30 s without a byte of an
+    answer (gcsfs alone: never)."""
+    import fsspec
+
+    cls = _gcsfs_class()
+    for protocol in ("gs", "gcs"):
+        fsspec.register_implementation(protocol, cls, clobber=True)
+
+
+def _gcsfs_class() -> type:
+    import aiohttp
+    import gcsfs
+    from gcsfs.retry import is_retriable
+
+    base = gcsfs.GCSFileSystem
+    one_try = getattr(base._request, "__wrapped__", None)  # gcsfs's request, without retries
+    if one_try is None:
+        return base  # another gcsfs: its own retries, then
+
+    class GCSFileSystemWithDeadline(base):
+        def __init__(self, *args, requests_timeout=None, **kwargs):
+            if requests_timeout is None:
+                requests_timeout = aiohttp.ClientTimeout(sock_connect=30, sock_read=30)
+            super().__init__(*args, requests_timeout=requests_timeout, **kwargs)
+
+        async def _request(self, *args, **kwargs):
+            start = time.monotonic()
+            for attempt in itertools.count():
+                asked = time.monotonic()
+                try:
+                    result = await one_try(self, *args, **kwargs)
+                except Exception as e:
+                    if not (is_retriable(e) or isinstance(e, (TimeoutError, ConnectionError))):
+                        _answered()  # the service's own answer (404, 403, ...), or a bug
+                        raise
+                    _unanswered(asked)
+                    delay = _RETRY_DELAYS_S[min(attempt, len(_RETRY_DELAYS_S) - 1)]
+                    if time.monotonic() + delay > _deadline(start, DEADLINE_S):
+                        raise
+                    await asyncio.sleep(delay)
+                else:
+                    _answered()
+                    return result
+
+    return GCSFileSystemWithDeadline
+
+
+def tensorstore_retries(deadline_s: float | None = None) -> dict:
+    """tensorstore's ``Context.gcs_request_retries`` that give up within ``deadline_s``
+    (default `DEADLINE_S`; tensorstore's own, 32 tries, take about 15 minutes). It
+    waits ``initial_delay``, then twice as long each time up to ``max_delay``, plus
+    up to 1 s at random.
+
+    >>> tensorstore_retries(60.0)
+    {'max_retries': 9, 'initial_delay': '1s', 'max_delay': '8s'}
+    """
+    deadline_s = DEADLINE_S if deadline_s is None else deadline_s
+    waited, tries = 0.0, 1
+    while waited + min(2.0 ** (tries - 1), 8.0) + 1.0 <= deadline_s:
+        waited += min(2.0 ** (tries - 1), 8.0) + 1.0
+        tries += 1
+    return {"max_retries": tries, "initial_delay": "1s", "max_delay": "8s"}
 
 
 # ---------------------------------------------------------------- whole files
@@ -363,7 +553,8 @@ class Mirror:
     temporary directory, filled with the object's current contents when
     ``keep``); whoever writes appends to it, flushing as on a local disk, and
     the mirror uploads the whole file whenever it changed: every ``interval_s``
-    seconds from a background thread, on `sync`, and on `close`.
+    seconds from a background thread, on `sync`, and on `close`. A killed process's
+    directory (``replicator-mirror-PID@HOST-...``) goes at this host's next mirror.
 
     Args:
       target: the file's real place, local or ``gs://``.
@@ -385,7 +576,8 @@ class Mirror:
         if not self.remote:
             self.local_path = self.target
             return
-        self._dir = tempfile.mkdtemp(prefix="replicator-mirror-")
+        _remove_orphaned_mirrors()
+        self._dir = tempfile.mkdtemp(prefix=f"{_MIRROR_PREFIX}{os.getpid()}@{_HOST}-")
         self.local_path = os.path.join(self._dir, os.path.basename(self.target))
         data = b""
         if keep:
@@ -461,11 +653,37 @@ class Mirror:
                 self.sync()
             except Exception as e:  # noqa: BLE001  (reported once; the next try may work)
                 if self._failed is None:
-                    log.warning("Could not upload %s (will retry): %s", self.target, e)
+                    # An outage is the run's to report (in one line, if it lasts): the log only.
+                    quiet = {"log_only": isinstance(e, StorageUnavailableError)}
+                    log.warning("Could not upload %s (will retry): %s", self.target, e, extra=quiet)
                 self._failed = e
 
 
 _OPEN: weakref.WeakSet[Mirror] = weakref.WeakSet()
+_MIRROR_PREFIX = "replicator-mirror-"
+_HOST = socket.gethostname()
+
+
+@functools.cache
+def _remove_orphaned_mirrors() -> None:
+    """Removes the working copies of this host's mirrors whose process is gone (killed
+    before its `close`), once per process: a resumed run redoes their last records."""
+    mine = re.compile(rf"{re.escape(_MIRROR_PREFIX)}(\d+)@{re.escape(_HOST)}-")
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        found = mine.match(name)
+        if found and not _is_alive(int(found.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # (PermissionError: another user's)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _close_open_mirrors() -> None:

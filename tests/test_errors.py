@@ -48,5 +48,13 @@ def test_a_config_files_own_user_error_is_reported_as_itself():
         assert config_files.flag_error(outer, []) is inner
 
 
+def test_an_outage_is_a_storage_error_with_its_own_exit_status():
+    from replicator.trainer import cli
+
+    assert issubclass(errors.StorageUnavailableError, storage.StorageError)
+    assert storage.StorageUnavailableError is errors.StorageUnavailableError
+    assert (cli.USAGE_ERROR, cli.STORAGE_UNAVAILABLE) == (2, 75)  # EX_TEMPFAIL: rerun later
+
+
 def test_docstring_examples_run():
     assert doctest.testmod(errors).failed == 0

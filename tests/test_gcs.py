@@ -204,9 +204,10 @@ def test_storage_that_does_not_answer_is_one_line_in_bounded_time(gcs_server, mo
     fsspec.filesystem("gcs").clear_instance_cache()
     try:
         start = time.monotonic()
-        with pytest.raises(storage.StorageError, match="did not answer") as error:
+        with pytest.raises(storage.StorageUnavailableError, match="did not answer") as error:
             storage.check_writable("gs://any/run", deadline_s=3)
         assert time.monotonic() - start < 10
+        assert isinstance(error.value, storage.StorageError)  # an outage: exit status 75
         assert "gs://any/run" in str(error.value) and "\n" not in str(error.value)
     finally:
         fsspec.filesystem("gcs").clear_instance_cache()
@@ -243,6 +244,10 @@ def test_mirror_keeps_the_object_equal_to_the_file(bucket):
     target = f"{bucket}/m/log.txt"
     storage.write_text(target, "earlier\n")
     mirror = storage.Mirror(target, interval_s=0.1)
+    # Named after its process: a killed process's copy is removed by a later one.
+    assert os.path.basename(os.path.dirname(mirror.local_path)).startswith(
+        f"replicator-mirror-{os.getpid()}@"
+    )
     with open(mirror.local_path, "a") as f:
         f.write("more\n")
     deadline = time.monotonic() + 10

@@ -113,3 +113,16 @@ def array_handler_without_replica_parallel() -> Any:
     return ocp.type_handlers.ArrayHandler(
         use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
     )
+
+
+def set_orbax_gcs_retries(retries: dict) -> None:
+    """Makes the tensorstore contexts Orbax reads and writes arrays with retry GCS
+    requests as ``retries`` says (tensorstore's ``Context.gcs_request_retries``:
+    ``max_retries``, ``initial_delay``, ``max_delay``) instead of tensorstore's
+    default, 32 tries over about 15 minutes. Orbax builds a fresh context from two
+    module-level defaults for every read, write and merge (``get_ts_context``) and
+    takes none from its caller."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    for default in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        default["gcs_request_retries"] = dict(retries)

@@ -16,13 +16,23 @@ What a person sees:
   line, ``error: ...``, and exit status 2; ``--debug`` or ``REPLICATOR_DEBUG=1``
   adds the traceback. Anything else is a bug and keeps its traceback (exit
   status 1).
+* A storage that does not answer (`replicator.storage.DEADLINE_S`, 60 s) is no
+  mistake: one line, ``error: ... did not answer ...``, and exit status 75
+  (``EX_TEMPFAIL``, as a stalled multi-process sync), within that bound of its
+  silence, whatever was waiting for it (Orbax's commit included). Nothing is
+  lost: the same command, rerun once the storage answers, resumes from the
+  last checkpoint.
 * A quiet console: replicator's own lines (progress bar, evals, summary,
   warnings). What the libraries underneath print (tfds, Orbax, absl, JAX, C++
   logs) goes to ``WORKDIR/log.txt`` instead, unless ``--verbose``.
+
+Exit statuses: 0 done (or preempted, saved), 1 a bug, 2 a mistake in the input
+(or ``compile``: does not fit), 75 storage unavailable, 130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -33,13 +43,15 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from replicator import storage
-from replicator.errors import UsageError, UserError
+from replicator.errors import StorageUnavailableError, UsageError, UserError
 from replicator.trainer import config_files
 from replicator.trainer.config_files import HELP
 from replicator.trainer.console import Console, one_line
 from replicator.trainer.help_text import COMMANDS, SYNOPSIS, command_help, usage
 
 USAGE_ERROR = 2  # exit status of a mistake in the input (1: a bug, with its traceback)
+STORAGE_UNAVAILABLE = 75  # EX_TEMPFAIL: the storage did not answer; rerun to resume
+_RERUN = "; nothing is lost: rerun the same command once the storage answers"
 
 _CONFIG = config_files.CONFIG
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, logs and checkpoints.")
@@ -145,7 +157,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def main_or_exit(argv: list[str]) -> None:
-    """`main`, with a `UserError` as one line (exit status 2) and bugs with their traceback.
+    """`main`, with a `UserError` as one line (exit status 2; a storage outage: 75) and
+    bugs with their traceback.
 
     In a multi-process run an error exits at once: a normal exit waits at JAX's
     shutdown barrier for the other processes, which are stuck in a collective
@@ -154,7 +167,8 @@ def main_or_exit(argv: list[str]) -> None:
     """
     console = Console(verbose=_VERBOSE.value or argv[1] == "plot")
     try:
-        main(argv, console)
+        with _library_outage_as_storage_error():
+            main(argv, console)
         console.close()
         return
     except SystemExit:
@@ -163,6 +177,10 @@ def main_or_exit(argv: list[str]) -> None:
     except KeyboardInterrupt as e:  # before the training loop (which saves and stops)
         console.report(e, summary="interrupted")
         code = 130
+    except StorageUnavailableError as e:
+        debug = _debug_requested(sys.argv)
+        console.report(e, summary=None if debug else f"error: {one_line(str(e))}{_RERUN}")
+        _exit_after_outage(console)
     except UserError as e:
         debug = _debug_requested(sys.argv)
         console.report(e, summary=None if debug else f"error: {one_line(str(e))}")
@@ -178,6 +196,32 @@ def main_or_exit(argv: list[str]) -> None:
     if _process_count() > 1:
         os._exit(code)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _library_outage_as_storage_error():
+    """A library's own error for a storage that did not answer (gcsfs's, tensorstore's,
+    from a path that does not name it) as the `StorageUnavailableError` it stands for."""
+    try:
+        yield
+    except Exception as e:
+        outage = storage.failure(e, "reach the storage of", _WORKDIR.value or "the run")
+        if not isinstance(outage, StorageUnavailableError) or outage is e:
+            raise
+        raise StorageUnavailableError(str(outage)) from e
+
+
+def _exit_after_outage(console: Console) -> None:
+    """Ends the process at once, with `STORAGE_UNAVAILABLE`: nothing to discard (the rerun
+    resumes), and a library's thread still waiting for the storage (Orbax's commit,
+    gcsfs's retries) must not hold it past the storage's deadline."""
+    try:
+        console.close()  # the log: one short try, the deadline having passed
+    except OSError:
+        pass  # the log's last lines are not in the bucket; the run's records are
+    for stream in (sys.stdout, sys.stderr, console.out, console.err):
+        stream.flush()
+    os._exit(STORAGE_UNAVAILABLE)
 
 
 def main(argv: list[str], console: Console) -> None:
@@ -327,6 +371,9 @@ def _exit_with(error: BaseException, *, debug: bool, cause: BaseException | None
     """Reports an input error found before the console is set up, and exits."""
     if debug:
         traceback.print_exception(cause or error, file=sys.stderr)
+    if isinstance(error, StorageUnavailableError):
+        print(f"error: {one_line(str(error))}{_RERUN}", file=sys.stderr)
+        sys.exit(STORAGE_UNAVAILABLE)
     print(f"error: {one_line(str(error))}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 
