@@ -110,7 +110,9 @@ def pipeline(
     scatter = (local // microbatches) % stages == 0
     by_stage = jax.tree.map(lambda p: _by_stage(p, stages, repeats), stacked_params)
     program = jax.shard_map(
-        lambda params, x: schedule(jax.tree.map(lambda p: p[0], params), x, scatter),
+        # Typed varying over the batch axes on entry: autodiff then sums their gradients
+        # over those axes once, as the pipeline ends, not in every iteration that uses them.
+        lambda params, x: schedule(jax.tree.map(lambda p: vary(p[0], rows), params), x, scatter),
         mesh=mesh,
         in_specs=(P(axis), P(rows or None)),
         out_specs=P((*rows, axis)) if scatter else P(rows or None),
@@ -181,6 +183,7 @@ class _Schedule:
         # Microbatch m holds rows m, m + M, m + 2M, ...: a stage's share of every
         # microbatch's output (`scatter`) is then a contiguous block of the rows.
         micro = jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+        micro = vary(micro, (axis,))  # its gradient summed over the stages once, not per use
         zeros = vary(jnp.zeros_like(micro), (axis,))
         ring = [(j, (j + 1) % S) for j in range(S)]
 

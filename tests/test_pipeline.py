@@ -138,7 +138,7 @@ def one_device(batches):
 @pytest.mark.parametrize(
     "path, mesh, pipeline",
     [
-        ("compile", {"stage": 2, "data": 4}, {}),
+        ("compile", {"stage": 2, "data": 4}, dict(remat_policy="full")),  # each layer remat
         ("run", {"stage": 4, "data": 2}, dict(pipeline_microbatches=4)),
         pytest.param(
             "compile", {"stage": 2, "fsdp": 2, "tensor": 2},
@@ -204,6 +204,13 @@ def test_the_program_passes_activations_and_never_gathers_a_stage(batches):
         c for c in report.collectives if c.kind == "all-gather" and "stage" in c.axes
     ]
     assert not gathered_over_stage, gathered_over_stage
+    # The gradients are summed over data once per step (XLA combines them into one
+    # all-reduce), not in each of the schedule's 7 iterations; the input's gradient over
+    # the stages once too.
+    # (Per iteration they would be 8 over data and 9 over stage.)
+    for axis, most in (("data", 1), ("stage", 3)):  # over stage: the output, the input
+        summed = [c for c in report.collectives if c.kind == "all-reduce" and axis in c.axes]
+        assert sum(c.count for c in summed if not c.in_branch) <= most, (axis, summed)
     assert re.search(r"collective-permute", text)
 
 
