@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from replicator import remat
 from replicator.context import vary, varying_axes
+from replicator.errors import ConfigError
 
 PyTree = Any
 STAGE_AXIS = "stage"
@@ -82,9 +83,10 @@ def pipeline(
       The output of the last layer, shaped like ``x``, on every stage.
 
     Raises:
-      ValueError: a stack whose leaves disagree on ``L``, ``L`` not divisible by
-        stages x repeats, fewer microbatches than stages, or a batch not
-        divisible by the microbatches (each one line naming the fix).
+      ConfigError: (a ``ValueError``) a stack whose leaves disagree on ``L``, ``L``
+        not divisible by stages x repeats, fewer microbatches than stages, or a
+        batch not divisible by the microbatches: each one line naming the fix,
+        which the trainer's command line prints as such.
 
     >>> params = {"w": jnp.ones((4, 3, 3)) / 3}
     >>> pipeline(lambda p, h: h @ p["w"], params, jnp.ones((2, 3)), microbatches=2).shape
@@ -255,7 +257,7 @@ def _varies(stack: PyTree, axis: str) -> bool:
 def _num_layers(stack: PyTree) -> int:
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(stack)}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline: the stacked parameters must all have the same leading (layer) "
             f"axis; their leading sizes are {sorted(sizes, key=str)}. Stack identical "
             f"layers (e.g. with nn.scan) to pipeline them."
@@ -265,22 +267,22 @@ def _num_layers(stack: PyTree) -> int:
 
 def _check(layers: int, stages: int, repeats: int, microbatches: int, batch: int) -> None:
     if repeats < 1 or microbatches < 1:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline: repeats ({repeats}) and microbatches ({microbatches}) must be >= 1."
         )
     if layers % (stages * repeats):
-        raise ValueError(
+        raise ConfigError(
             f"pipeline: {layers} layers do not split over {stages} stages x {repeats} "
             f"repeats; choose a number of layers divisible by {stages * repeats}, or "
             f"fewer stages or repeats."
         )
     if stages > 1 and microbatches < stages:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline: {microbatches} microbatches for {stages} stages leaves stages "
             f"idle; set pipeline_microbatches to at least {stages}."
         )
     if batch % microbatches:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline: a batch of {batch} does not split into {microbatches} "
             f"microbatches; choose a number of microbatches that divides it."
         )

@@ -7,6 +7,7 @@ on a pipeline equals the LM trained on one device. The program holds the
 schedule: ``collective-permute``s over ``stage`` and no parameter gathered over it.
 """
 
+import os
 import re
 
 import jax
@@ -24,6 +25,7 @@ from replicator.pipelining import bubble_fraction
 from replicator.trainer.experiment import Settings
 
 LAYERS, WIDTH, BATCH = 8, 16, 16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _layer(p, h):
@@ -267,3 +269,18 @@ def test_a_run_on_4_stages_resumes_on_2_and_evaluates_on_1_device(tmp_path, stdl
         one = trainer.evaluate(None, straight, step=step, devices=jax.devices()[:1])
         assert one["loss"] == pytest.approx(expected[step]["loss"], rel=1e-6)
         assert one["num_examples"] == expected[step]["num_examples"]
+
+
+def test_a_schedule_the_config_cannot_run_is_one_line_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable, "-m", "replicator", "train", "--config", "configs/lm_tiny.py:smoke",
+        "--workdir", str(tmp_path / "run"), "--config.mesh=dict(stage=4, data=2)",
+        "--config.model.num_layers=2", "--config.num_train_steps=1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: pipeline: 2 layers do not")
+    assert "Traceback" not in done.stderr
