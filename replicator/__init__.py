@@ -7,6 +7,7 @@ runs it on every device.
 
 from replicator import attention as attention  # rp.attention.causal_attention, per backend
 from replicator import ema as ema  # rp.ema.track: an EMA of the parameters
+from replicator import moe as moe  # rp.moe.moe_layer: experts over the "expert" axis
 from replicator import offload as offload  # rp.offload: state in host memory between steps
 from replicator import remat as remat  # rp.remat.checkpoint_policy: MaxText's named policies
 from replicator import topology as topology  # rp.topology.devices: a TPU slice to compile for
@@ -15,6 +16,7 @@ from replicator.context import AxisNameError as AxisNameError
 from replicator.context import ReplicaContext as ReplicaContext
 from replicator.context import get_replica_context as get_replica_context
 from replicator.context import replica_key as replica_key
+from replicator.context_parallel import context_attention as context_attention  # "context" axis
 from replicator.diloco import DiLoCo as DiLoCo
 from replicator.errors import UserError as UserError
 from replicator.losses import compute_average_loss as compute_average_loss

@@ -27,9 +27,11 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
     ("activation_batch", ("data", "fsdp")),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
+    ("activation_length", "context"),
 )
 """MaxText's placement of activations named with `constrain`: the batch over ``data``
-and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``. They apply
+and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``, the
+sequence over ``context`` (`replicator.context_parallel`). They apply
 whenever the parameters are sharded, unless the rules name the same activation axis
 (``("activation_batch", None)`` leaves the batch to the compiler)."""
 
@@ -101,6 +103,20 @@ def current_axes(name: str) -> tuple[str, ...]:
     """
     rules = _ACTIVATION_RULES.get()
     return _rule_axes(name, ACTIVATION_RULES if rules is None else rules)
+
+
+def batch_axes(mesh, rows: int, exclude: str) -> tuple[str, ...]:
+    """The automatic mesh axes the rules split the batch over (`current_axes` of
+    ``activation_batch``: ``data``, ``fsdp``) but ``exclude``, if ``rows`` divides over
+    them all (else none): the axes a library program (`replicator.pipelining`,
+    `replicator.context_parallel`) goes manual over beside its own, so that each
+    device works on its own rows."""
+    auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
+    axes = tuple(
+        a for a in current_axes("activation_batch")
+        if a in auto and a != exclude and mesh.shape[a] > 1
+    )  # fmt: skip
+    return axes if rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
 def _rule_axes(name: str | None, rules: Sequence[Rule]) -> tuple[str, ...]:

@@ -130,14 +130,9 @@ def _batch_axes(mesh, axis: str, microbatch: int) -> tuple[str, ...]:
     those too, so each device runs its rows of every microbatch, the parameters
     enter gathered over them once, and their gradients leave summed once per
     step, not once per iteration of the schedule."""
-    from replicator.activations import current_axes
+    from replicator.activations import batch_axes
 
-    auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
-    rows = tuple(
-        a for a in current_axes("activation_batch") if a in auto and a != axis
-        and mesh.shape[a] > 1
-    )  # fmt: skip
-    return rows if microbatch % math.prod(mesh.shape[a] for a in rows) == 0 else ()
+    return batch_axes(mesh, microbatch, exclude=axis)
 
 
 def stage_count(axis: str = STAGE_AXIS) -> int:

@@ -68,11 +68,13 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("layers", "stage"),
+    ("exp", "expert"),
 )
 """FSDP over the embedding width and Megatron-style tensor parallelism (the MLP's
 hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
 stay whole; a stack of layers splits over ``stage`` when the mesh has one
-(`replicator.pipeline`). Activations named with `replicator.activations.constrain` follow
+(`replicator.pipeline`), a mixture's experts over ``expert`` (`replicator.moe`).
+Activations named with `replicator.activations.constrain` follow
 `replicator.activations.ACTIVATION_RULES` (the batch over ``data`` and ``fsdp``)."""
 
 MIN_SHARD_SIZE = 2**14

@@ -79,6 +79,10 @@ SLOW = (
     "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[gan_digits-compile-mesh3-Dense_0]",
     "tests/test_finetune.py::test_lr_mults_in_a_run_move_the_backbone_a_tenth_and_say_what_they_took",
     "tests/test_checkpoint.py::test_every_item_of_a_step_restores_with_orbax_alone[local]",
+    "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[lm_tiny-run-mesh2-ln_final]",
+    "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[digits_nnx_cnn-run-mesh1-conv1]",
+    "tests/test_optimizer_keys.py::test_a_resumed_fine_tune_needs_no_source",
+    "tests/test_own_data.py::test_a_data_function_of_the_digits_trains_like_the_tfds_digits",
 )
 
 

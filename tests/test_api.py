@@ -21,6 +21,7 @@ PUBLIC = [
     "UserError",
     "apply_policy",
     "compute_average_loss",
+    "context_attention",
     "get_replica_context",
     "global_sum",
     "grad_norm",

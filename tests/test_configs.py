@@ -130,6 +130,8 @@ OVERRIDES = {
     "remat_policy": "full",
     "pipeline_microbatches": "4",
     "pipeline_repeats": "2",
+    "context_strategy": "ring",
+    "context_load_balance": "True",
     "offload_optimizer_state": "True",
     "nonfinite": "skip",
     "step_path": "compile",

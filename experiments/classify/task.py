@@ -42,6 +42,7 @@ def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def make_experiment(settings: Settings) -> Experiment:
     """The classification experiment, from ``config.model`` (`classifier`'s arguments)."""
     settings.refuse_pipeline("the classifiers")
+    settings.refuse_context("the classifiers")
     if settings.remat_policy is not None:
         raise ConfigError(
             f"config.remat_policy={settings.remat_policy!r}: the classifiers name no tensors "

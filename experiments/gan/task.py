@@ -288,6 +288,7 @@ def make_experiment(settings: Settings) -> Experiment:
       ValueError: ``config.model`` has a key that `GANConfig` does not.
     """
     settings.refuse_pipeline("the GAN")
+    settings.refuse_context("the GAN")
     if settings.remat_policy is not None:
         raise ConfigError(
             f"config.remat_policy={settings.remat_policy!r}: the GAN names no tensors to "

@@ -25,6 +25,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.linen.dtypes import promote_dtype
 from jax.ad_checkpoint import checkpoint_name
@@ -32,6 +33,15 @@ from jax.ad_checkpoint import checkpoint_name
 from replicator import attention as attention_lib
 from replicator import remat as remat_lib
 from replicator.activations import constrain
+from replicator.context_parallel import (
+    STRATEGIES,
+    context_attention,
+    context_positions,
+    context_size,
+    load_balance,
+    restore_order,
+)
+from replicator.moe import MoEFeedForward
 from replicator.pipelining import pipeline, stage_count
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
@@ -65,11 +75,15 @@ def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
     )
 
 
-def apply_rotary(x_BxTxHxD: jax.Array, base: float = 10_000.0) -> jax.Array:
+def apply_rotary(
+    x_BxTxHxD: jax.Array, base: float = 10_000.0, positions_T: Any = None
+) -> jax.Array:
     """Rotary position embedding (RoFormer; GPT-NeoX's half-split layout) of queries or keys.
 
     Pairs feature ``i`` with ``i + D/2`` and rotates each pair by ``t * base**(-2i/D)``
-    at position ``t``, so that query-key products depend on relative position only.
+    at position ``t`` (``positions_T``, default ``0 .. T - 1``: a load-balanced
+    sequence's are `context_positions`), so that query-key products depend on
+    relative position only.
 
     >>> x = jnp.ones((1, 3, 1, 4))
     >>> bool(jnp.allclose(apply_rotary(x)[:, 0], x[:, 0]))  # position 0: unchanged
@@ -77,7 +91,9 @@ def apply_rotary(x_BxTxHxD: jax.Array, base: float = 10_000.0) -> jax.Array:
     """
     half = x_BxTxHxD.shape[-1] // 2
     frequencies_D2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_TxD2 = jnp.arange(x_BxTxHxD.shape[1], dtype=jnp.float32)[:, None] * frequencies_D2
+    if positions_T is None:
+        positions_T = np.arange(x_BxTxHxD.shape[1])
+    angles_TxD2 = jnp.asarray(positions_T, jnp.float32)[:, None] * frequencies_D2
     cos = jnp.cos(angles_TxD2)[None, :, None, :]
     sin = jnp.sin(angles_TxD2)[None, :, None, :]
     x1, x2 = x_BxTxHxD[..., :half].astype(jnp.float32), x_BxTxHxD[..., half:].astype(jnp.float32)
@@ -95,6 +111,8 @@ class SelfAttention(nn.Module):
     use_bias: bool
     attention: str
     dtype: Any
+    context_strategy: str = "gather"
+    context_load_balance: bool = False
 
     @nn.compact
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
@@ -108,9 +126,17 @@ class SelfAttention(nn.Module):
             qkv_BxTx3xHxD = qkv_BxTx3xHxD + jnp.asarray(bias, qkv_BxTx3xHxD.dtype)
         qkv_BxTx3xHxD = checkpoint_name(qkv_BxTx3xHxD, "qkv_proj")
         q, k, v = (constrain(qkv_BxTx3xHxD[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
+        cp = context_size()
+        balanced = self.context_load_balance and cp > 1
         if self.rotary:
-            q, k = apply_rotary(q), apply_rotary(k)
-        out_BxTxHxD = attention_lib.causal_attention(q, k, v, implementation=self.attention)
+            positions = context_positions(q.shape[1], cp, True) if balanced else None
+            q, k = apply_rotary(q, positions_T=positions), apply_rotary(k, positions_T=positions)
+        # Over a "context" axis the sequence's blocks attend across devices
+        # (`replicator.context_parallel`); without one this is `causal_attention`.
+        out_BxTxHxD = context_attention(
+            q, k, v, strategy=self.context_strategy, load_balanced=balanced,
+            implementation=self.attention,
+        )  # fmt: skip
         out_BxTxHxD = checkpoint_name(constrain(out_BxTxHxD, ACTIVATION_BxTxHxD), "context")
         out_shape = (self.num_heads, self.head_dim, embed_dim)
         out_kernel = self.param(
@@ -157,7 +183,9 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
+    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``;
+    with ``num_experts`` the MLP is a mixture of experts (`replicator.moe`), whose
+    `MoEAux` it sows as ``intermediates/.../moe_aux``.
 
     ``scanned``: called by ``nn.scan`` over a stack of blocks, so it takes and
     returns ``(x, None)`` (the scan's carry and per-layer output)."""
@@ -173,6 +201,11 @@ class Block(nn.Module):
     deterministic: bool
     dtype: Any
     scanned: bool = False
+    context_strategy: str = "gather"
+    context_load_balance: bool = False
+    num_experts: int | None = None
+    experts_per_token: int = 2
+    expert_capacity_factor: float | None = 1.25
 
     @nn.compact
     def __call__(self, x_BxTxE: jax.Array, _: Any = None) -> Any:
@@ -186,12 +219,40 @@ class Block(nn.Module):
             self.use_bias,
             self.attention,
             self.dtype,
+            self.context_strategy,
+            self.context_load_balance,
             name="attention",
         )(h)
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
-        h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
+        if self.num_experts:
+            h, aux = MoEFeedForward(
+                self.num_experts, self.experts_per_token, self.mlp_dim,
+                self.expert_capacity_factor, activation=nn.gelu, name="moe",
+            )(h)  # fmt: skip
+            self.sow("intermediates", "moe_aux", aux)
+        else:
+            h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
+        return (x_BxTxE, None) if self.scanned else x_BxTxE
+
+
+class BlockGroup(nn.Module):
+    """``every`` blocks in a row, the last a mixture of experts (``block_<i>``): what
+    ``nn.scan`` stacks when only every ``moe_every``-th block is one."""
+
+    every: int
+    block: Any
+    kwargs: Any
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array, _: Any = None) -> Any:
+        kwargs = dict(self.kwargs)
+        num_experts = kwargs.pop("num_experts")
+        for i in range(self.every):
+            moe = num_experts if i == self.every - 1 else None
+            x_BxTxE = self.block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE)
         return (x_BxTxE, None) if self.scanned else x_BxTxE
 
 
@@ -307,6 +368,12 @@ class Transformer(nn.Module):
     loss_chunk: int | None = None
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
+    context_strategy: str = "gather"
+    context_load_balance: bool = False
+    num_experts: int | None = None
+    experts_per_token: int = 2
+    expert_capacity_factor: float | None = 1.25
+    moe_every: int = 1
     dtype: Any = None
 
     def _blocks(self, x_BxTxE: jax.Array, train: bool) -> jax.Array:
@@ -317,15 +384,22 @@ class Transformer(nn.Module):
             # Under scan the loop keeps XLA from merging recomputation away (CSE).
             block = nn.remat(Block, policy=policy, prevent_cse=not self.scan_layers)
         kwargs = _block_kwargs(self, train)
+        every = self.moe_every if self.num_experts else 1
         if not self.scan_layers:
+            experts = kwargs.pop("num_experts")
             for i in range(self.num_layers):
-                x_BxTxE = block(**kwargs, name=f"block_{i}")(x_BxTxE)
+                moe = experts if (i + 1) % every == 0 else None
+                x_BxTxE = block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE)
             return x_BxTxE
+        if self.num_experts:  # scanned in groups of `every` blocks, the last one MoE
+            scanned, kwargs = BlockGroup, dict(every=every, block=block, kwargs=kwargs)
+        else:
+            scanned = block
         stack = nn.scan(
-            block,
-            variable_axes={"params": 0},
+            scanned,
+            variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
-            length=self.num_layers,
+            length=self.num_layers // every,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         blocks = stack(**kwargs, scanned=True, name="blocks")
@@ -333,12 +407,14 @@ class Transformer(nn.Module):
             x_BxTxE, _ = blocks(x_BxTxE, None)
             return x_BxTxE
         # Over a "stage" axis: the same stacked parameters, one block per layer_fn call.
+        if self.num_experts:
+            raise ValueError("A pipeline does not run mixture-of-experts blocks: num_experts=0.")
         if self.dropout_rate and train:
             raise ValueError("A pipeline does not run dropout yet: set dropout_rate=0.")
         stacked = nn.meta.unbox(self.variables["params"]["blocks"])
 
         def layer_fn(params, h):
-            return block(**kwargs).apply({"params": params}, h)
+            return scanned(**kwargs).apply({"params": params}, h)
 
         return pipeline(
             layer_fn,
@@ -360,6 +436,7 @@ class Transformer(nn.Module):
                 f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
             )
         remat_lib.check_policy(self.remat_policy)
+        _check_parallel_keys(self)
         if self.pipeline_microbatches is not None or self.pipeline_repeats != 1:
             if not self.scan_layers:
                 raise ValueError("A pipeline runs the stacked blocks: keep scan_layers=True.")
@@ -373,6 +450,16 @@ class Transformer(nn.Module):
         per-token cross-entropy in nats instead (chunked by ``loss_chunk``)."""
         length = tokens_BxT.shape[1]
         check_length(length, self.max_len)
+        # Load balancing over "context": the sequence reordered once, here, so that each
+        # shard holds chunks i and 2 CP - 1 - i; positions follow the tokens, the
+        # per-token outputs are put back in order at the end.
+        cp = context_size()
+        balanced = self.context_load_balance and cp > 1
+        positions_T = np.arange(length)
+        if balanced:
+            tokens_BxT = load_balance(tokens_BxT, cp)
+            targets = None if targets is None else load_balance(targets, cp)
+            positions_T = context_positions(length, cp, load_balanced=True)
         embed = nn.Embed(
             self.vocab_size,
             self.embed_dim,
@@ -387,7 +474,7 @@ class Transformer(nn.Module):
                 _normal(0.02, (None, EMBED)),
                 (self.max_len, self.embed_dim),
             )
-            x_BxTxE = x_BxTxE + jnp.asarray(table[:length], x_BxTxE.dtype)
+            x_BxTxE = x_BxTxE + jnp.asarray(table[positions_T], x_BxTxE.dtype)
         x_BxTxE = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxTxE)
 
         x_BxTxE = self._blocks(x_BxTxE, train)
@@ -398,10 +485,12 @@ class Transformer(nn.Module):
             head = Head(self.vocab_size, self.embed_dim, name="head")
             logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
         if targets is None:
-            return logits_fn(x_BxTxE)
-        if not self.loss_chunk or self.loss_chunk >= length:
-            return token_nats(logits_fn(x_BxTxE), targets)
-        return chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
+            out = logits_fn(x_BxTxE)
+        elif not self.loss_chunk or self.loss_chunk >= length:
+            out = token_nats(logits_fn(x_BxTxE), targets)
+        else:
+            out = chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
+        return restore_order(out, cp) if balanced else out
 
 
 def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
@@ -416,7 +505,32 @@ def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
         dropout_rate=model.dropout_rate,
         deterministic=not train,
         dtype=model.dtype,
+        context_strategy=model.context_strategy,
+        context_load_balance=model.context_load_balance,
+        num_experts=model.num_experts or None,
+        experts_per_token=model.experts_per_token,
+        expert_capacity_factor=model.expert_capacity_factor,
     )
+
+
+def _check_parallel_keys(model: Transformer) -> None:
+    """One-line errors for context-parallel and mixture-of-experts keys that cannot work."""
+    if model.context_strategy not in STRATEGIES:
+        raise ValueError(f"context_strategy={model.context_strategy!r}: use one of {STRATEGIES}.")
+    if not model.num_experts:
+        return
+    if not 1 <= model.experts_per_token <= model.num_experts:
+        raise ValueError(
+            f"experts_per_token={model.experts_per_token} must be in [1, "
+            f"num_experts={model.num_experts}]."
+        )
+    if model.moe_every < 1 or model.num_layers % model.moe_every:
+        raise ValueError(
+            f"moe_every={model.moe_every}: every moe_every-th block is a mixture of experts, "
+            f"so num_layers={model.num_layers} must divide by it."
+        )
+    if model.pipeline_microbatches is not None or model.pipeline_repeats != 1:
+        raise ValueError("A pipeline does not run mixture-of-experts blocks: num_experts=0.")
 
 
 def check_length(length: int, max_len: int) -> None:

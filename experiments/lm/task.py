@@ -23,6 +23,10 @@ from experiments.lm.model import Transformer
 from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("loss", "perplexity")
+# The weights of a mixture of experts' auxiliary losses (`replicator.moe.MoEAux`), means
+# over the MoE layers, in the training loss: Switch's load balancing and ST-MoE's z-loss.
+MOE_BALANCE_WEIGHT = 1e-2
+MOE_Z_LOSS_WEIGHT = 1e-3
 
 
 def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
@@ -61,8 +65,29 @@ def token_weights(batch: Mapping[str, jax.Array]) -> jax.Array:
 def token_nats(model: Any, params: Any, batch: Mapping[str, jax.Array], **kwargs) -> jax.Array:
     """Per-token cross-entropy ``[B, L]`` of ``model``'s next-token predictions, in nats
     (the model computes it: in chunks of the sequence with ``loss_chunk``)."""
-    nats_BxL = model.apply({"params": params}, batch["inputs"], targets=batch["targets"], **kwargs)
-    return nats_BxL.astype(jnp.promote_types(nats_BxL.dtype, jnp.float32))
+    return nats_and_moe_aux(model, params, batch, **kwargs)[0]
+
+
+def nats_and_moe_aux(
+    model: Any, params: Any, batch: Mapping[str, jax.Array], **kwargs
+) -> tuple[jax.Array, Any]:
+    """`token_nats` and, for a mixture-of-experts model, the mean over its MoE layers
+    of their `replicator.moe.MoEAux` (None for a dense one)."""
+    moe = bool(getattr(model, "num_experts", None))
+    out = model.apply(
+        {"params": params}, batch["inputs"], targets=batch["targets"],
+        mutable=["intermediates"] if moe else False, **kwargs,
+    )  # fmt: skip
+    nats_BxL, aux = (out[0], _mean_moe_aux(out[1])) if moe else (out, None)
+    return nats_BxL.astype(jnp.promote_types(nats_BxL.dtype, jnp.float32)), aux
+
+
+def _mean_moe_aux(variables: Mapping[str, Any]) -> rp.moe.MoEAux:
+    """The sown `MoEAux` of every MoE layer (stacked by the scan or not), averaged."""
+    is_aux = lambda x: isinstance(x, rp.moe.MoEAux)  # noqa: E731
+    found = jax.tree.leaves(variables.get("intermediates", {}), is_leaf=is_aux)
+    found = [x for x in found if is_aux(x)]
+    return rp.moe.MoEAux(*(jnp.mean(jnp.stack([jnp.ravel(v) for v in vs])) for vs in zip(*found)))
 
 
 def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
@@ -74,14 +99,18 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     """
     tokens = float(sums["tokens"])
     loss = float(sums["loss"]) / tokens if tokens else math.nan
-    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+    metrics = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+    if "dropped" in sums:  # a mixture of experts' training steps
+        metrics["dropped_fraction"] = float(sums["dropped"]) / tokens if tokens else math.nan
+    return metrics
 
 
 def make_model(
-    model_kwargs: Mapping[str, Any], remat_policy: str | None = None, **pipeline: Any
+    model_kwargs: Mapping[str, Any], remat_policy: str | None = None, **parallel: Any
 ) -> Transformer:
     """The `Transformer` from the config's ``model`` dict, ``remat_policy`` and
-    ``pipeline_microbatches`` / ``pipeline_repeats``."""
+    ``pipeline_microbatches`` / ``pipeline_repeats`` / ``context_strategy`` /
+    ``context_load_balance``."""
     if "warmup_steps" in model_kwargs:
         raise ConfigError(
             "config.model.warmup_steps is a config key of its own now: config.warmup_steps "
@@ -94,7 +123,7 @@ def make_model(
             "or 'minimal_offloaded'"
         )
     try:
-        return Transformer(**model_kwargs, remat_policy=remat_policy, **pipeline)
+        return Transformer(**model_kwargs, remat_policy=remat_policy, **parallel)
     except ValueError as e:  # the model's own checks of its sizes
         raise ConfigError(f"config.model: {e}") from None
     except TypeError as e:
@@ -115,13 +144,21 @@ def make_experiment(settings: Settings) -> Experiment:
     schedule is the config's (``lr_schedule``, ``warmup_steps``).
 
     Train records and eval records report ``loss`` (nats per real token) and
-    ``perplexity = exp(loss)``; throughput counts ``max_len`` tokens per example.
+    ``perplexity = exp(loss)``; a mixture-of-experts model's train records also
+    ``dropped_fraction`` (token-choice pairs over capacity) and its training loss
+    adds ``MOE_BALANCE_WEIGHT`` x the load-balancing loss and ``MOE_Z_LOSS_WEIGHT`` x
+    the router z-loss (means over the MoE layers; under `Replicator.run` each
+    replica's over its own tokens, weighed by its share of them, so the load
+    balance is per replica there, as MaxText's is per device); throughput counts
+    ``max_len`` tokens per example.
     """
     network = make_model(
         settings.model,
         settings.remat_policy,
         pipeline_microbatches=settings.pipeline_microbatches,
         pipeline_repeats=settings.pipeline_repeats,
+        context_strategy=settings.context_strategy,
+        context_load_balance=settings.context_load_balance,
     )
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
@@ -144,11 +181,19 @@ def make_experiment(settings: Settings) -> Experiment:
 
         def loss_fn(params, batch):
             weights = token_weights(batch)
-            nats = token_nats(model, params, batch, train=True, rngs={"dropout": dropout_rng})
+            nats, aux = nats_and_moe_aux(
+                model, params, batch, train=True, rngs={"dropout": dropout_rng}
+            )
             loss = rp.compute_average_loss(
                 nats, global_batch_size=total_tokens, sample_weight=weights
             )
-            return loss, {"loss": jnp.sum(nats * weights), "tokens": jnp.sum(weights)}
+            sums = {"loss": jnp.sum(nats * weights), "tokens": jnp.sum(weights)}
+            if aux is not None:  # each call's aux, weighed by its share of the tokens
+                share = sums["tokens"] / total_tokens
+                extra = MOE_BALANCE_WEIGHT * aux.load_balance_loss
+                loss = loss + share * (extra + MOE_Z_LOSS_WEIGHT * aux.router_z_loss)
+                sums["dropped"] = aux.dropped_fraction * sums["tokens"]
+            return loss, sums
 
         (_, sums), grads = state.value_and_grad(loss_fn, batch, has_aux=True)
         return state.apply_gradients(grads, tx), sums

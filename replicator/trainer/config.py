@@ -160,6 +160,18 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "per stage)",
     ),
     "pipeline_repeats": ((int,), 1, "1: a GPipe schedule; more: a circular one (rounds per batch)"),
+    "context_strategy": (
+        (str,),
+        "gather",
+        "attention over a sequence split on mesh axis 'context' (rp.context_attention): "
+        "'gather' (all-gather keys and values) or 'ring' (pass them round the ring)",
+    ),
+    "context_load_balance": (
+        (bool,),
+        False,
+        "reorder each sequence so the 'context' shards share the causal work evenly "
+        "(the length must divide by 2 x the axis size)",
+    ),
     "offload_optimizer_state": (
         (bool,),
         False,
@@ -408,6 +420,10 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
     if (micro is not None and micro < 1) or repeats < 1:
         problems.append(
             f"'pipeline_microbatches'={micro} and 'pipeline_repeats'={repeats} must be >= 1"
+        )
+    if values["context_strategy"] not in ("gather", "ring"):
+        problems.append(
+            f"'context_strategy'={values['context_strategy']!r} is not 'gather' or 'ring'"
         )
     if values["offload_optimizer_state"] and values["step_path"] != "compile":
         problems.append(

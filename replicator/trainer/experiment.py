@@ -57,6 +57,12 @@ class Settings:
       pipeline_repeats: the config's ``pipeline_repeats``: 1 for GPipe, more for a
         circular schedule. An experiment whose model is not a layer stack refuses
         a ``stage`` axis.
+      context_strategy: the config's ``context_strategy`` ('gather' or 'ring'): how
+        attention runs over a sequence split on the mesh's ``context`` axis
+        (`rp.context_attention`).
+      context_load_balance: the config's ``context_load_balance``: sequences reordered
+        so that the ``context`` shards share the causal work evenly. An experiment
+        whose model has no attention over a sequence refuses a ``context`` axis.
     """
 
     repl: Replicator
@@ -71,6 +77,8 @@ class Settings:
     remat_policy: str | None = None
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
+    context_strategy: str = "gather"
+    context_load_balance: bool = False
 
     def refuse_pipeline(self, experiment: str) -> None:
         """Raises a one-line `ConfigError` when the config asks ``experiment``, whose
@@ -81,6 +89,15 @@ class Settings:
                 f"a pipeline (mesh axis 'stage', pipeline_microbatches, pipeline_repeats): "
                 f"the model of {experiment} is no stack of layers to split over stages; "
                 "pipelines apply to the LM (experiments.lm)"
+            )
+
+    def refuse_context(self, experiment: str) -> None:
+        """Raises a one-line `ConfigError` when the config asks ``experiment``, whose
+        model attends over no sequence, for context parallelism (a ``context`` axis)."""
+        if "context" in self.repl.mesh.axis_names:
+            raise ConfigError(
+                f"mesh axis 'context' splits a sequence's attention, but the model of "
+                f"{experiment} has none; context parallelism applies to the LM (experiments.lm)"
             )
 
     @property

@@ -143,6 +143,8 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             remat_policy=config.remat_policy,
             pipeline_microbatches=config.pipeline_microbatches,
             pipeline_repeats=config.pipeline_repeats,
+            context_strategy=config.context_strategy,
+            context_load_balance=config.context_load_balance,
         ),
     )
     if training:

@@ -1,0 +1,261 @@
+"""Context parallelism (`replicator.context_parallel`) over the mesh axis ``context``.
+
+The invariant: attention over a sequence split on ``context`` (keys and values
+gathered, or passed round a ring; in order or load balanced) computes what one
+device's causal attention of the whole sequence computes, values and gradients,
+in the global view and inside a ``shard_map``. The ring's program passes blocks
+(``collective-permute``) and never gathers them; the gather's gathers them.
+"""
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator import context_parallel as cpl
+from replicator import hlo
+
+BATCH, LENGTH, HEADS, HEAD_DIM = 4, 16, 2, 8
+
+
+@functools.cache
+def _inputs(batch=BATCH, kv_heads=HEADS):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, LENGTH, HEADS, HEAD_DIM))
+    k, v = (jax.random.normal(key, (batch, LENGTH, kv_heads, HEAD_DIM)) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], q.shape)
+
+
+@functools.cache
+def _reference(batch=BATCH, kv_heads=HEADS):
+    """One device's attention of the sequence in its original order, and its gradients."""
+    q, k, v, cotangent = _inputs(batch, kv_heads)
+    return _attend_and_pull(_plain, cotangent)(q, k, v)
+
+
+def _plain(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attend_and_pull(attend, cotangent):
+    """A jitted ``(q, k, v) -> (output, gradients of sum(output * cotangent))``."""
+
+    def both(q, k, v):
+        out, pull = jax.vjp(attend, q, k, v)
+        return out, pull(cotangent)
+
+    return jax.jit(both)
+
+
+def _mesh(cp):
+    return jax.make_mesh((8 // cp, cp), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _check(attend, cp, balanced, batch=BATCH, kv_heads=HEADS, place=lambda x: x):
+    """``attend`` on the (reordered) sequence equals `_reference`, values and gradients."""
+    order = (lambda x: cpl.load_balance(x, cp)) if balanced else (lambda x: x)
+    back = (lambda x: cpl.restore_order(x, cp)) if balanced else (lambda x: x)
+    expected, expected_grads = _reference(batch, kv_heads)
+    q, k, v, cotangent = (place(order(x)) for x in _inputs(batch, kv_heads))
+    out, grads = _attend_and_pull(attend, cotangent)(q, k, v)
+    np.testing.assert_allclose(back(out), expected, atol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(back(got), want, atol=1e-5)
+
+
+CASES = [
+    (cp, strategy, balanced)
+    for cp in (2, 4)
+    for strategy in cpl.STRATEGIES
+    for balanced in (False, True)
+]
+
+
+@pytest.mark.parametrize("cp, strategy, balanced", CASES)
+def test_the_global_view_equals_one_device(cp, strategy, balanced):
+    mesh = _mesh(cp)
+
+    def attend(q, k, v):
+        return cpl.context_attention(q, k, v, strategy=strategy, load_balanced=balanced)
+
+    with jax.set_mesh(mesh):
+        _check(attend, cp, balanced, place=lambda x: jax.device_put(x, P("data", "context")))
+
+
+@pytest.mark.parametrize(
+    "cp, strategy, balanced",
+    [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 2 else []) for case in CASES],
+)
+def test_inside_a_shard_map_over_data_and_context_equals_one_device(cp, strategy, balanced):
+    spec = P("data", "context")
+
+    def attend(q, k, v):
+        return jax.shard_map(
+            lambda q, k, v: cpl.context_attention(
+                q, k, v, strategy=strategy, load_balanced=balanced
+            ),
+            in_specs=(spec, spec, spec),
+            out_specs=spec,
+            check_vma=strategy == "ring",  # both kinds of shard_map
+        )(q, k, v)
+
+    with jax.set_mesh(_mesh(cp)):
+        _check(attend, cp, balanced)
+
+
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("gather", marks=pytest.mark.slow)])
+def test_grouped_heads_and_a_batch_that_does_not_split_over_data(strategy):
+    # 3 rows over data=2: the batch is left to the compiler; 1 key/value head for 2.
+    def attend(q, k, v):
+        return cpl.context_attention(q, k, v, strategy=strategy, load_balanced=True)
+
+    with jax.set_mesh(_mesh(4)):
+        _check(attend, 4, True, batch=3, kv_heads=1)
+
+
+@pytest.mark.parametrize("strategy", cpl.STRATEGIES)
+def test_under_a_shard_map_over_data_only_context_is_split_inside(strategy):
+    # Replicator.run's shape: data manual (check_vma on), context left automatic.
+    def attend(q, k, v):
+        return jax.shard_map(
+            lambda q, k, v: cpl.context_attention(q, k, v, strategy=strategy),
+            in_specs=(P("data"),) * 3,
+            out_specs=P("data"),
+            axis_names={"data"},
+        )(q, k, v)
+
+    with jax.set_mesh(_mesh(2)):
+        _check(attend, 2, False)
+
+
+def test_without_a_context_axis_it_is_causal_attention():
+    _check(lambda *x: cpl.context_attention(*x, strategy="ring"), 1, False)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        _check(lambda *x: cpl.context_attention(*x, load_balanced=True), 1, True)
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}]
+)
+def test_both_replicator_paths_equal_one_device(mesh):
+    # run: every axis manual (context unsplit: each device attends over the whole
+    # sequence), or data manual beside tensor (context split inside, nested).
+    repl = rp.Replicator(mesh=mesh)
+    q, k, v, _ = _inputs()
+    expected = _reference()[0]
+    batch = repl.shard_batch({"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)})
+
+    def step(batch):
+        return cpl.context_attention(batch["q"], batch["k"], batch["v"], strategy="ring")
+
+    np.testing.assert_allclose(repl.compile(step)(batch), expected, atol=1e-5)
+    per_replica = repl.run(step, batch)
+    np.testing.assert_allclose(np.concatenate(list(per_replica)), expected, atol=1e-5)
+
+
+@functools.cache
+def _analysis(strategy, grad):
+    """The compiled program (values, or gradients too) on a balanced sequence, CP = 4."""
+    mesh = _mesh(4)
+    q = jax.device_put(jnp.ones((2, 64, 2, 8)), NamedSharding(mesh, P("data", "context")))
+
+    def attend(q):
+        return cpl.context_attention(q, q, q, strategy=strategy, load_balanced=True)
+
+    fn = jax.grad(lambda q: jnp.sum(attend(q) ** 2)) if grad else attend
+    with jax.set_mesh(mesh):
+        report = hlo.analyze(jax.jit(fn).lower(q).compile().as_text(), mesh)
+    kinds = {}
+    for c in report.collectives:
+        kinds.setdefault(c.kind, set()).add(tuple(c.axes))
+    return report.flops, kinds
+
+
+def test_the_balanced_ring_skips_what_the_mask_hides():
+    # Per device, the diagonal's 3 of 4 quarter-blocks and half a block per hop:
+    # (2 CP + 1) / (4 CP) of the gather's masked products.
+    ring, gather = _analysis("ring", False)[0], _analysis("gather", False)[0]
+    assert ring <= gather * 9 / 16 * 1.01, (ring, gather)
+
+
+def test_the_ring_passes_blocks_and_never_gathers_them():
+    kinds = _analysis("ring", True)[1]  # backward pass included
+    assert ("context",) in kinds.get("collective-permute", set()), kinds
+    assert not any("context" in axes for axes in kinds.get("all-gather", set())), kinds
+
+
+def test_the_gather_strategy_gathers_keys_and_values_over_context():
+    kinds = _analysis("gather", False)[1]
+    assert ("context",) in kinds.get("all-gather", set()), kinds
+    assert "collective-permute" not in kinds, kinds
+
+
+# ------------------------------------------------------------ load balancing
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_load_balance_round_trips_exactly(cp):
+    x = np.arange(3 * 16 * 2).reshape(3, 16, 2)
+    balanced = cpl.load_balance(x, cp)
+    assert isinstance(balanced, np.ndarray)
+    np.testing.assert_array_equal(cpl.restore_order(balanced, cp), x)
+    np.testing.assert_array_equal(cpl.restore_order(cpl.load_balance(jnp.asarray(x), cp), cp), x)
+    np.testing.assert_array_equal(  # every element lands at the position the helper names
+        balanced[0, :, 0] // 2, cpl.context_positions(16, cp, load_balanced=True)
+    )
+    if cp > 1:
+        shards = np.split(cpl.context_positions(16, cp, load_balanced=True), cp)
+        for i, shard in enumerate(shards):  # shard i: chunks i and 2cp-1-i
+            np.testing.assert_array_equal(shard, cpl.context_positions(16, cp, True, shard=i))
+            chunks = set(shard // (16 // (2 * cp)))
+            assert chunks == {i, 2 * cp - 1 - i}
+
+
+def test_positions_of_a_traced_shard():
+    mesh = _mesh(4)
+    positions = jax.shard_map(
+        lambda: cpl.context_positions(16, 4, True, shard=jax.lax.axis_index("context")),
+        mesh=mesh, in_specs=(), out_specs=P("context"), axis_names={"context"},
+    )()  # fmt: skip
+    np.testing.assert_array_equal(positions, cpl.context_positions(16, 4, load_balanced=True))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: cpl.load_balance(np.zeros((2, 12)), 4), "a sequence of 12 does not split"),
+        (lambda: cpl.restore_order(np.zeros((2, 6)), 2), "divisible by 4"),
+        (lambda: cpl.context_positions(10, 4), "divisible by 4"),
+    ],
+)
+def test_a_length_that_does_not_split_is_one_line(call, message):
+    with pytest.raises(ValueError, match=message) as error:
+        call()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, shape, message",
+    [
+        (dict(load_balanced=True), (2, 12, 2, 8), "12 does not split into 8"),
+        (dict(), (2, 10, 2, 8), "10 does not split into 4"),
+        (dict(strategy="tree"), (2, 16, 2, 8), "strategy='tree'"),
+        (dict(implementation="splash"), (2, 16, 2, 8), "implementation='splash'"),
+    ],
+)
+def test_attention_that_cannot_split_is_one_line(kwargs, shape, message):
+    x = jnp.ones(shape)
+    with jax.set_mesh(_mesh(4)), pytest.raises(ValueError, match=message) as error:
+        cpl.context_attention(x, x, x, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(cpl, extraglobs={"np": np}).failed == 0

@@ -1,0 +1,196 @@
+"""The LM over the mesh axes ``context`` (sequence) and ``expert`` (mixture of experts).
+
+The invariant: the LM trained with its attention split over ``context`` (gather or
+ring, load balanced or not), or with mixture-of-experts blocks whose experts are
+split over ``expert``, equals the same LM trained on one device, on both step paths.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import replicator as rp
+from experiments.lm import make_experiment
+from experiments.lm import task as lm_task
+from experiments.lm.task import make_preprocess, summarize
+from replicator.trainer import ConfigError
+from replicator.trainer.experiment import Settings
+
+TINY = dict(vocab_size=64, num_layers=4, num_heads=2, embed_dim=32, mlp_dim=64, max_len=32)
+MOE = dict(TINY, num_experts=8, experts_per_token=2, expert_capacity_factor=1.0, moe_every=2)
+
+
+def _settings(repl, model=TINY, **parallel):
+    return Settings(
+        repl=repl, model=model, learning_rate=3e-3, optimizer="adam", num_train_steps=3,
+        grad_accum_steps=1, seed=0, **parallel,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def batches():
+    rng = np.random.default_rng(0)
+    preprocess = make_preprocess(TINY["max_len"])
+    return [preprocess({"tokens": rng.integers(0, 64, (16, 33))}) for _ in range(3)]
+
+
+def _train(repl, path, batches, model=TINY, **parallel):
+    experiment = make_experiment(_settings(repl, model, **parallel))
+    example = jax.tree.map(lambda x: x[0], batches[0])
+    state = repl.init(experiment.init_state, jax.random.key(0), example)
+    if path == "compile":
+        step = repl.compile(experiment.train_step)
+    else:
+        step = lambda s, b: repl.run(experiment.train_step, s, b)  # noqa: E731
+    records = []
+    for batch in batches:
+        state, sums = step(state, repl.shard_batch(batch))
+        if sums["loss"].ndim:
+            sums = repl.reduce(rp.ReduceOp.SUM, sums)
+        records.append(summarize(jax.device_get(sums)))
+    return records, jax.device_get(state.params)
+
+
+def _assert_trains_alike(got, expected, rtol=1e-5, atol=2e-5):
+    np.testing.assert_allclose(
+        [r["loss"] for r in got[0]], [r["loss"] for r in expected[0]], rtol=rtol
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol), got[1], expected[1])
+
+
+@pytest.fixture(scope="module")
+def one_device(batches):
+    return _train(rp.Replicator(devices=jax.devices()[:1]), "compile", batches)
+
+
+# ------------------------------------------------------------------ context
+
+
+@pytest.mark.parametrize(
+    "path, mesh, strategy, balanced",
+    [
+        ("compile", {"context": 2, "data": 4}, "ring", True),
+        ("run", {"context": 4, "data": 2}, "gather", True),
+        pytest.param("compile", {"context": 2, "data": 4}, "gather", False, marks=pytest.mark.slow),
+        pytest.param("compile", {"context": 4, "data": 2}, "gather", True, marks=pytest.mark.slow),
+        pytest.param("compile", {"context": 4, "data": 2}, "ring", False, marks=pytest.mark.slow),
+        pytest.param("compile", {"context": 4, "data": 2}, "ring", True, marks=pytest.mark.slow),
+        pytest.param("run", {"context": 2, "data": 4}, "ring", False, marks=pytest.mark.slow),
+        pytest.param("run", {"context": 2, "data": 4}, "gather", True, marks=pytest.mark.slow),
+        pytest.param("run", {"context": 4, "data": 2}, "ring", True, marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_the_lm_over_context_trains_like_one_device(
+    path, mesh, strategy, balanced, batches, one_device
+):
+    repl = rp.Replicator(mesh=mesh, min_size=0)
+    got = _train(repl, path, batches, context_strategy=strategy, context_load_balance=balanced)
+    _assert_trains_alike(got, one_device)
+
+
+@pytest.mark.slow
+def test_rotary_positions_follow_the_load_balanced_tokens(batches):
+    model = dict(TINY, positions="rotary")
+    one = _train(rp.Replicator(devices=jax.devices()[:1]), "compile", batches, model)
+    repl = rp.Replicator(mesh={"context": 4, "data": 2}, min_size=0)
+    got = _train(repl, "compile", batches, model, context_load_balance=True)
+    _assert_trains_alike(got, one)
+
+
+def test_a_length_that_does_not_balance_is_one_line(batches):
+    repl = rp.Replicator(mesh={"context": 4, "data": 2}, min_size=0)
+    short = [{k: v[:, :28] for k, v in b.items()} for b in batches[:1]]  # 28 % 8 != 0
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks") as error:
+        _train(repl, "compile", short, context_load_balance=True)
+    assert "\n" not in str(error.value)
+
+
+def test_a_bad_context_strategy_is_one_config_error():
+    from replicator.trainer.config import validate
+    from tests.test_lm import load_config
+
+    _, config = load_config("lm_tiny", "smoke")
+    config.context_strategy = "spiral"
+    with pytest.raises(ConfigError, match="'context_strategy'='spiral'") as error:
+        validate(config)
+    assert str(error.value).splitlines()[1:] == [
+        "  - 'context_strategy'='spiral' is not 'gather' or 'ring'"
+    ]  # one problem, one line
+
+
+def test_the_classifiers_refuse_a_context_axis():
+    from experiments.classify.task import make_experiment as classify
+
+    repl = rp.Replicator(mesh={"context": 2, "data": 4})
+    with pytest.raises(ConfigError, match="mesh axis 'context'") as error:
+        classify(_settings(repl, model={}))
+    assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ experts
+
+
+@pytest.fixture(scope="module")
+def one_device_moe(batches):
+    return _train(rp.Replicator(devices=jax.devices()[:1]), "compile", batches, MOE)
+
+
+@pytest.mark.parametrize(
+    "path, mesh",
+    [
+        ("compile", {"expert": 4, "data": 2}),
+        pytest.param("run", {"expert": 2, "data": 4}, marks=pytest.mark.slow),
+        pytest.param("compile", {"expert": 2, "data": 4}, marks=pytest.mark.slow),
+        pytest.param("compile", {"expert": 8}, marks=pytest.mark.slow),
+        pytest.param("run", {"expert": 4, "data": 2}, marks=pytest.mark.slow),
+        pytest.param("run", {"expert": 8}, marks=pytest.mark.slow),
+    ],
+)
+def test_the_moe_lm_over_experts_trains_like_one_device(
+    path, mesh, batches, one_device_moe, monkeypatch
+):
+    expected = one_device_moe
+    if path == "run":
+        # Each replica's load-balancing loss is over its own tokens (their mean is
+        # added): not one device's over all of them. Without it, run is one device.
+        monkeypatch.setattr(lm_task, "MOE_BALANCE_WEIGHT", 0.0)
+        expected = _train(rp.Replicator(devices=jax.devices()[:1]), "compile", batches, MOE)
+    repl = rp.Replicator(mesh=mesh, min_size=0)
+    got = _train(repl, path, batches, MOE)
+    dropped = [r["dropped_fraction"] for r in got[0]]
+    assert 0 < dropped[0] < 1  # capacity factor 1: some pairs dropped, the same ones
+    np.testing.assert_allclose(dropped, [r["dropped_fraction"] for r in expected[0]], rtol=1e-6)
+    if path == "compile":
+        return _assert_trains_alike(got, expected)
+    # run sums the experts' outputs over "expert" in another order: Adam turns that
+    # rounding in a near-zero gradient into a step of up to the learning rate, in a
+    # few elements (as tests/test_pipeline.py's bf16 test explains).
+    np.testing.assert_allclose(
+        [r["loss"] for r in got[0]], [r["loss"] for r in expected[0]], rtol=1e-5
+    )
+    leaves = zip(*map(jax.tree.leaves, (got[1], expected[1])))
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in leaves])
+    assert diffs.max() < 1e-3 and np.mean(diffs > 2e-5) < 1e-3, (diffs.max(), np.mean(diffs > 2e-5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_capacity_of_every_expert_drops_nothing(scan_layers, batches):
+    model = dict(MOE, expert_capacity_factor=8.0, scan_layers=scan_layers)
+    repl = rp.Replicator(mesh={"expert": 4, "data": 2}, min_size=0)
+    records, params = _train(repl, "compile", batches, model)
+    assert [r["dropped_fraction"] for r in records] == [0.0, 0.0, 0.0]
+    blocks = params["blocks"] if scan_layers else params
+    assert "moe" not in jax.tree.leaves(blocks, is_leaf=lambda x: isinstance(x, dict))[0]
+
+
+def test_moe_keys_that_cannot_work_are_one_line():
+    from experiments.lm.task import make_model
+
+    for kwargs, message in [
+        (dict(moe_every=3), "num_layers=4 must divide by it"),
+        (dict(experts_per_token=9), r"experts_per_token=9 must be in \[1, num_experts=8\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as error:
+            make_model({**MOE, **kwargs})
+        assert "\n" not in str(error.value)

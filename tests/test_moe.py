@@ -1,0 +1,273 @@
+"""Mixture of experts (`replicator.moe`) over the mesh axis ``expert``.
+
+The invariants: the layer equals an independent reference (every expert applied
+to every token, the over-capacity pairs found by a plain loop in position order)
+on one device; split over 2, 4 and 8 ``expert`` devices beside ``data`` it equals
+one device (outputs, auxiliary losses, gradients), in the global view and inside a
+``shard_map`` already manual over ``expert``; its program sends tokens with
+all-to-alls and never gathers an expert's weights.
+"""
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import replicator as rp
+from replicator import hlo, moe
+
+E, K, D, F, S = 8, 2, 8, 16, 8  # experts, experts per token, width, hidden width, length
+
+
+@functools.cache
+def _random(batch, gated):
+    key_p, key_x = jax.random.split(jax.random.key(0))
+    params = moe.init_moe_params(key_p, embed_dim=D, mlp_dim=F, num_experts=E, gated=gated)
+    params["router"] = params["router"] * 3  # uneven loads, so that a capacity drops some
+    return jax.device_get((params, jax.random.normal(key_x, (batch, S, D))))
+
+
+def _inputs(batch=16, gated=False):
+    params, x = _random(batch, gated)
+    return dict(params), x
+
+
+def _layer(params, x, capacity_factor, **kw):
+    return moe.moe_layer(
+        params, x, num_experts=E, experts_per_token=K, capacity_factor=capacity_factor, **kw
+    )
+
+
+def _loss(capacity_factor):
+    def loss(params, x):
+        y, aux = _layer(params, x, capacity_factor)
+        total = jnp.mean(y**2) + 1e-2 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
+        return total, (y, aux)
+
+    return loss
+
+
+def _kept(logits, capacity):
+    """Which token-choice pairs an expert takes: a loop over each sequence's positions."""
+    experts = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[..., :K]
+    kept = np.ones(experts.shape, bool)
+    if capacity is not None:
+        for b in range(experts.shape[0]):
+            load = np.zeros(E, int)
+            for s in range(experts.shape[1]):
+                for j in range(K):
+                    load[experts[b, s, j]] += 1
+                    kept[b, s, j] = load[experts[b, s, j]] <= capacity
+    return experts, kept
+
+
+def _reference(params, x, capacity_factor):
+    """Every expert on every token, the pairs over capacity masked out."""
+    logits = np.einsum("bsd,de->bse", x, params["router"])
+    capacity = None
+    if capacity_factor is not None:
+        capacity = moe.expert_capacity(S, E, K, capacity_factor)
+    experts, kept = _kept(logits, capacity)
+    fraction = np.bincount(experts.reshape(-1), minlength=E) / experts.size
+
+    def loss(params, x):
+        logits = jnp.einsum("bsd,de->bse", x, params["router"])
+        probs = jax.nn.softmax(logits)
+        gates = jnp.take_along_axis(probs, experts, axis=-1)
+        gates = gates / jnp.sum(gates, -1, keepdims=True) * kept
+        hidden = jnp.einsum("bsd,edf->ebsf", x, params["wi"])
+        if "wi_gate" in params:
+            hidden = jax.nn.gelu(jnp.einsum("bsd,edf->ebsf", x, params["wi_gate"])) * hidden
+        else:
+            hidden = jax.nn.gelu(hidden)
+        every = jnp.einsum("ebsf,efd->bsed", hidden, params["wo"])
+        chosen = jnp.take_along_axis(every, experts[..., None], 2)
+        y = jnp.einsum("bskd,bsk->bsd", chosen, gates)
+        aux = moe.MoEAux(
+            E * jnp.sum(fraction * jnp.mean(probs, axis=(0, 1))),
+            jnp.mean(jax.nn.logsumexp(logits, -1) ** 2),
+            jnp.asarray(1 - kept.mean(), jnp.float32),
+        )
+        total = jnp.mean(y**2) + 1e-2 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
+        return total, (y, aux)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+
+def _close(actual, expected, atol=1e-5):
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=atol, rtol=1e-5), actual, expected
+    )
+
+
+def _mesh(experts):
+    return jax.make_mesh(
+        (8 // experts, experts), ("data", "expert"), axis_types=(AxisType.Auto,) * 2
+    )
+
+
+# --------------------------------------------------------------- one device
+
+
+@pytest.mark.parametrize(
+    "capacity_factor, gated", [(None, False), (None, True), (0.5, False), (1.0, True), (E, False)]
+)
+def test_the_layer_is_the_reference_on_one_device(capacity_factor, gated):
+    params, x = _inputs(batch=3, gated=gated)
+    grad = jax.value_and_grad(_loss(capacity_factor), argnums=(0, 1), has_aux=True)
+    _close(jax.jit(grad)(params, x), _reference(params, x, capacity_factor))
+
+
+def test_a_capacity_factor_of_num_experts_drops_nothing():
+    params, x = _inputs()
+    y, aux = jax.jit(lambda p, x: _layer(p, x, float(E)))(params, x)
+    dropless, _ = jax.jit(lambda p, x: _layer(p, x, None))(params, x)
+    assert float(aux.dropped_fraction) == 0.0
+    _close(y, dropless)
+
+
+def test_a_small_capacity_drops_the_later_tokens_deterministically():
+    params, x = _inputs()
+    logits = np.einsum("bsd,de->bse", x, params["router"])
+    capacity = moe.expert_capacity(S, E, K, 0.5)  # 1 pair per expert and sequence
+    _, kept = _kept(logits, capacity)
+    routing = jax.jit(lambda z: moe.route(z, experts_per_token=K, capacity=capacity))(logits)
+    np.testing.assert_array_equal(np.asarray(routing.slots) < E * capacity, kept)
+    loads = np.apply_along_axis(np.bincount, -1, routing.experts.reshape(16, -1), minlength=E)
+    over = np.maximum(loads - capacity, 0).sum()  # what the experts cannot take
+    assert over > 0
+    layer = jax.jit(lambda p, x: _layer(p, x, 0.5)[1].dropped_fraction)
+    assert float(layer(params, x)) == pytest.approx(over / (16 * S * K))
+    assert float(layer(params, x + 0)) == float(layer(params, x))
+
+
+# --------------------------------------------------------------- expert parallel
+
+
+@pytest.mark.parametrize(
+    "experts, batch, capacity_factor",
+    [
+        (2, 16, 1.0),
+        (4, 16, 1.0),
+        (8, 16, 0.5),
+        pytest.param(4, 6, 1.0, marks=pytest.mark.slow),  # the batch not split over expert
+        pytest.param(8, 16, float(E), marks=pytest.mark.slow),
+    ],
+)
+def test_experts_split_over_the_mesh_equal_one_device(experts, batch, capacity_factor):
+    params, x = _inputs(batch)
+    grad = jax.value_and_grad(_loss(capacity_factor), argnums=(0, 1), has_aux=True)
+    expected = jax.jit(grad)(params, x)
+    mesh = _mesh(experts)
+    with jax.set_mesh(mesh):
+        placed = {
+            name: jax.device_put(w, NamedSharding(mesh, P(None if name == "router" else "expert")))
+            for name, w in params.items()
+        }
+        got = jax.jit(grad)(placed, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    _close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "whole, check_vma",
+    [(False, True), (True, True), pytest.param(False, False, marks=pytest.mark.slow)],
+)
+def test_inside_a_shard_map_over_expert_it_equals_one_device(whole, check_vma):
+    """Manual over ``data`` and ``expert``: each device routes its own rows, with its
+    share of the experts (or all of them, ``whole``)."""
+    params, x = _inputs()
+    mesh = _mesh(4)
+    weights = P() if whole else P("expert")
+    specs = {name: P() if name == "router" else weights for name in params}
+
+    def per_device(params, x):
+        y, aux = _layer(params, x, 1.0)
+        return y, jax.tree.map(lambda a: a[None], aux)
+
+    def loss(params, x):
+        y, aux = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, P(("data", "expert"))),
+            out_specs=(P(("data", "expert")), P(("data", "expert"))),
+            check_vma=check_vma,
+        )(params, x)
+        return jnp.mean(y**2), (y, aux)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
+    (value, (y, aux)), grads = got
+
+    def one_device(params, x):
+        y, _ = _layer(params, x, 1.0)
+        return jnp.mean(y**2), y
+
+    expected = jax.jit(jax.value_and_grad(one_device, (0, 1), has_aux=True))(params, x)
+    _close(((value, y), grads), expected)
+    layer = jax.jit(lambda p, x: _layer(p, x, 1.0)[1])
+    for device, rows in enumerate(np.split(np.asarray(x), 8)):  # aux: each device's own rows
+        _close(jax.tree.map(lambda a, i=device: a[i], aux), layer(params, rows))
+
+
+def test_the_program_sends_tokens_and_never_gathers_an_expert():
+    params, x = _inputs()
+    mesh = _mesh(4)
+    grad = jax.jit(jax.grad(lambda p, x: _loss(1.0)(p, x)[0]))
+    with jax.set_mesh(mesh):
+        placed = {
+            name: jax.device_put(w, NamedSharding(mesh, P(None if name == "router" else "expert")))
+            for name, w in params.items()
+        }
+        text = grad.lower(placed, jax.device_put(x, NamedSharding(mesh, P("data")))).compile()
+    report = hlo.analyze(text.as_text(), mesh)
+    kinds = {(c.kind, c.axes) for c in report.collectives}
+    assert ("all-to-all", ("expert",)) in kinds, kinds
+    assert not [c for c in report.collectives if c.kind == "all-gather" and "expert" in c.axes]
+
+
+def test_the_module_places_experts_by_the_rules_and_equals_one_device():
+    """Under `Replicator.compile`, beside FSDP and tensor parallelism of the experts."""
+    module = moe.MoEFeedForward(num_experts=E, experts_per_token=K, mlp_dim=F, gated=True)
+    _, x = _inputs()
+    rules = [("exp", "expert"), ("embed", "fsdp"), ("mlp", "tensor")]
+    mesh = {"fsdp": 2, "expert": 2, "tensor": 2}
+    repl = rp.Replicator(mesh=mesh, rules=rules, min_size=0)
+    params = repl.init(lambda x: module.init(jax.random.key(0), x), x)
+    assert tuple(params["params"]["wi"].value.sharding.spec) == ("expert", "fsdp", "tensor")
+    y, aux = repl.compile(module.apply)(params, repl.shard_batch(np.asarray(x)))
+    expected = jax.jit(module.apply)(jax.device_get(params), x)
+    _close((y, aux), expected)
+
+
+# --------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "experts, kwargs, message",
+    [
+        (4, dict(num_experts=6), "6 experts do not split over the 4 devices"),
+        (1, dict(experts_per_token=9), "experts_per_token=9 must be between 1 and"),
+        (1, dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
+        (1, dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
+        (4, dict(capacity_factor=None), "dropless routing"),
+    ],
+)
+def test_a_layer_that_cannot_run_is_one_line(experts, kwargs, message):
+    params, x = _inputs(batch=8)
+    num_experts = kwargs.pop("num_experts", E)
+    if num_experts != E:
+        params = {name: np.zeros((6, *w.shape[1:])) for name, w in params.items()}
+        params["router"] = np.zeros((D, 6))
+    kwargs = dict(num_experts=num_experts, experts_per_token=K, capacity_factor=1.0) | kwargs
+    with jax.set_mesh(_mesh(experts)), pytest.raises(ValueError, match=message) as error:
+        moe.moe_layer(params, x, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(moe, extraglobs={"jnp": jnp}).failed == 0
