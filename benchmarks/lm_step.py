@@ -1,7 +1,7 @@
 """LM step: replicator's train step against a hand-written `jax.jit` step, same model.
 
 Usage: .venv/bin/python benchmarks/lm_step.py [--model auto|tiny|gpt2_124m|lm_1b|cnn]
-       [--rounds N] [--steps K] [--levers] [--flags]
+       [--rounds N] [--steps K] [--levers] [--flags] [--labels 'A;B']
 
 A GPT-2-shaped decoder-only flax.linen transformer (pre-LN, learned positions,
 tied embeddings, causal `jax.nn.dot_product_attention`: cuDNN on GPU, XLA on
@@ -16,7 +16,9 @@ all of them and the ~1B model fits once:
 * ``jit``: hand-written `jax.jit` step, tuple state ``(params, opt_state)`` donated;
 * ``run`` / ``compile``: the same tuple step, replicator style
   (`rp.compute_average_loss`, `Replicator.wrap_optimizer`), under `Replicator.run`
-  and `Replicator.compile`;
+  and `Replicator.compile` of a default `Replicator` (no bound on steps in flight
+  but on a mesh of several CPU devices; the H100 rows of 2026-11-26 ran with an
+  explicit bound of 2);
 * ``compile, TrainState`` / ``run, TrainState``: `rp.TrainState` with
   ``state.value_and_grad`` and ``state.apply_gradients``.
 
@@ -340,7 +342,7 @@ def make_programs(task: Task, labels, repls) -> tuple[dict[str, Program], dict[s
 
     import replicator as rp
 
-    repl = repls[2]
+    repl = repls[None]
     tx = repl.wrap_optimizer(task.tx)
     guarded_tx = repl.wrap_optimizer(optax.apply_if_finite(task.tx, 1 << 30))
     states = {"shared": rp.TrainState.create(task.params, tx, jax.random.key(0))}
@@ -377,10 +379,10 @@ def make_programs(task: Task, labels, repls) -> tuple[dict[str, Program], dict[s
     return programs, states
 
 
-def _replicators(rp) -> dict[int, Any]:
+def _replicators(rp) -> dict[int | None, Any]:
     # cpu_defaults=False: replicator and hand-written steps get the same compiler settings.
     return {
-        d: rp.Replicator(max_steps_in_flight=d, cpu_defaults=False) for d in (2, LEVER_INFLIGHT)
+        d: rp.Replicator(max_steps_in_flight=d, cpu_defaults=False) for d in (None, LEVER_INFLIGHT)
     }
 
 
@@ -398,8 +400,8 @@ def build(model: str = "tiny", labels: tuple[str, ...] = MAIN) -> dict[str, tria
     task = make_task(model)
     repls = _replicators(rp)
     programs, states = make_programs(task, labels, repls)
-    batch = repls[2].shard_batch(task.host_batch)
-    holders = {name: SharedState(repls[2].replicate(s)) for name, s in states.items()}
+    batch = repls[None].shard_batch(task.host_batch)
+    holders = {name: SharedState(repls[None].replicate(s)) for name, s in states.items()}
     out: dict[str, trials.Candidate] = {}
     for label, prog in programs.items():
         holder = holders[prog.holder]
@@ -429,10 +431,10 @@ def check_agreement(model: str, labels: tuple[str, ...], steps: int = 3) -> dict
     task = make_task(model)
     repls = _replicators(rp)
     programs, states = make_programs(task, labels, repls)
-    batch = repls[2].shard_batch(task.host_batch)
+    batch = repls[None].shard_batch(task.host_batch)
     losses = {}
     for label, prog in programs.items():
-        state = _state_arg(repls[2].replicate(states[prog.holder]), prog.tuple_state)
+        state = _state_arg(repls[None].replicate(states[prog.holder]), prog.tuple_state)
         for _ in range(steps):
             state, loss = prog.call(state, batch)
         losses[label] = float(np.mean(jax.device_get(loss)))
@@ -455,7 +457,7 @@ def study_hlo(model: str, labels: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     task = make_task(model)
     repls = _replicators(rp)
     programs, states = make_programs(task, labels, repls)
-    repl = repls[2]
+    repl = repls[None]
 
     def abstract(tree, sharding):
         shape = lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype, sharding=sharding)
@@ -595,6 +597,7 @@ def main() -> None:
     parser.add_argument("--flags", action="store_true", help="add XLA GPU flag candidates")
     parser.add_argument("--hlo", action="store_true", help="compile only, in this process")
     parser.add_argument("--check", action="store_true", help="same loss after 3 steps, then stop")
+    parser.add_argument("--labels", help="';'-separated candidates instead (jit always first)")
     args = parser.parse_args()
     model = args.model
     if model == "auto":  # without starting JAX here: the worker needs the whole GPU
@@ -603,6 +606,12 @@ def main() -> None:
     rounds, steps = SCHEDULE[model]
     rounds, steps = args.rounds or rounds, args.steps or steps
     labels = MAIN + (LEVERS if args.levers else ()) + (FLAGS if args.flags else ())
+    if args.labels:
+        chosen = [x.strip() for x in args.labels.split(";") if x.strip()]
+        unknown = [x for x in chosen if x not in MAIN + LEVERS + FLAGS]
+        if unknown:
+            sys.exit(f"unknown candidates {unknown}; known: {list(MAIN + LEVERS + FLAGS)}")
+        labels = ("jit", *(x for x in chosen if x != "jit"))  # the ratios' base
     if args.check:
         for label, loss in check_agreement(model, labels).items():
             print(f"{label}: loss after 3 steps {loss:.6f}")

@@ -3,8 +3,9 @@
 `analyze` reads the post-optimization HLO of a step (``compiled.as_text()``, one
 device's program) and counts, per device and per step:
 
-* FLOPs of its matrix products (``dot`` and ``convolution``, and Pallas kernels
-  that state a cost estimate), with every while loop's body counted as many times
+* FLOPs of its matrix products (``dot`` and ``convolution``, Pallas kernels that
+  state a cost estimate, and XLA:GPU's library calls: cuBLAS, cuDNN convolutions
+  and fused attention), with every while loop's body counted as many times
   as the loop runs. XLA's ``cost_analysis()`` counts a loop's body once, so a model
   whose layers are scanned (or a step accumulating microbatches) looks 20 times
   cheaper there than it is. The trip count comes from the loop's
@@ -268,8 +269,11 @@ class _Program:
             tally.add_flops(_matmul_flops(op, ops) * count, in_branch)
         elif op.opcode == "custom-call":
             estimate = re.search(r'"cost_estimate":\s*\{[^}]*"flops":\s*"?(\d+)', op.attrs)
+            library = _gpu_library_flops(op, ops)
             if estimate:
                 tally.add_flops(float(estimate.group(1)) * count, in_branch)
+            elif library is not None:
+                tally.add_flops(library * count, in_branch)
             elif "tpu_custom_call" in op.attrs:
                 tally.note("a Pallas kernel without a cost estimate: its FLOPs are not counted")
         called = _attr_name(op.attrs, "calls")
@@ -460,17 +464,77 @@ def _matmul_flops(op: _Op, ops: dict[str, _Op]) -> float:
     return 2.0 * math.prod(_dims(op.type)) * math.prod(lhs[d] for d in dims if d < len(lhs))
 
 
+def _gpu_library_flops(op: _Op, ops: dict[str, _Op]) -> float | None:
+    """2 x the multiply-adds of a matrix product XLA:GPU hands to a library, or None for
+    any other custom call: cuBLAS GEMMs (``__cublas$gemm``, ``__cublas$lt$matmul``),
+    cuDNN convolutions (forward and both backward kinds) and cuDNN's fused attention
+    (``__cudnn$fmha``: its two products forward, five backward, flash attention
+    recomputing the scores; counted whole, causal or not, as the MFU formula does)."""
+    target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
+    target = target.group(1) if target else ""
+    if len(op.operands) < 2 or not target.startswith(("__cublas$", "__cudnn$")):
+        return None
+    shapes = [_dims(_type_of(ops, name)) for name in op.operands]
+    if target.startswith("__cublas$"):
+        contracting = _dimension_list(op.attrs, "lhs_contracting_dimensions")
+        lhs = shapes[0]
+        return (
+            2.0 * math.prod(_dims(op.type)) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+        )
+    if target.startswith("__cudnn$fmha"):
+        # Q.K^T forward; backward, dO.V^T: the product of the same shapes (q and k's).
+        key = "bmm2_grad_gemm2" if "Backward" in target else "bmm1"
+        block = re.search(rf'"{key}_dot_dimension_numbers":\s*(\{{[^}}]*\}})', op.attrs)
+        if block is None:
+            return None
+        q, k = shapes[0], shapes[1]
+        batch = _dimension_list(block.group(1), "lhs_batch_dimensions")
+        contracting = _dimension_list(block.group(1), "lhs_contracting_dimensions")
+        rhs_batch = _dimension_list(block.group(1), "rhs_batch_dimensions")
+        rhs_contracting = _dimension_list(block.group(1), "rhs_contracting_dimensions")
+        if max(batch + contracting, default=0) >= len(q) or max(
+            rhs_batch + rhs_contracting, default=0
+        ) >= len(k):
+            return None
+        queries = math.prod(n for d, n in enumerate(q) if d not in batch + contracting)
+        keys = math.prod(n for d, n in enumerate(k) if d not in rhs_batch + rhs_contracting)
+        one = 2.0 * math.prod(q[d] for d in batch) * queries * keys * math.prod(
+            q[d] for d in contracting)  # fmt: skip
+        return one * (5 if "Backward" in target else 2)
+    kinds = {  # where a convolution's input, filter and output are, as the forward's
+        "__cudnn$convForward": ("operand0", "operand1", "result"),
+        "__cudnn$convBiasActivationForward": ("operand0", "operand1", "result"),
+        "__cudnn$convBackwardInput": ("result", "operand1", "operand0"),
+        "__cudnn$convBackwardFilter": ("operand0", "result", "operand1"),
+    }
+    if target not in kinds:
+        return None
+    pick = lambda where: _dims(op.type) if where == "result" else shapes[int(where[-1])]
+    return _convolution_shapes_flops(op.attrs, *(pick(w) for w in kinds[target]))
+
+
+def _dimension_list(text: str, key: str) -> list[int]:
+    """``"key":["1","2"]`` (or unquoted numbers) in a backend config, as ints."""
+    match = re.search(rf'"{key}":\s*\[([^\]]*)\]', text)
+    return [int(d) for d in re.findall(r"\d+", match.group(1))] if match else []
+
+
 def _convolution_flops(op: _Op, ops: dict[str, _Op]) -> float:
     """A convolution's multiply-adds that touch input, not padding: per spatial dimension
     the (output, window) position pairs that land on an input element. (XLA:TPU writes
     some dots as convolutions whose windows mostly cover padding.)"""
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", op.attrs)
     lhs, rhs, out = (_dims(_type_of(ops, op.operands[0])), _dims(_type_of(ops, op.operands[1])),
                      _dims(op.type))  # fmt: skip
+    return _convolution_shapes_flops(op.attrs, lhs, rhs, out)
+
+
+def _convolution_shapes_flops(attrs: str, lhs: list[int], rhs: list[int], out: list[int]) -> float:
+    """`_convolution_flops` of an input, filter and output shape and the op's attributes."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs)
     if not labels or [len(x) for x in labels.groups()] != [len(lhs), len(rhs), len(out)]:
         return 0.0
     lhs_labels, rhs_labels, out_labels = labels.groups()
-    window = re.search(r"window=\{([^}]*)\}", op.attrs)
+    window = re.search(r"window=\{([^}]*)\}", attrs)
     fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
     spatial = sorted(c for c in out_labels if c.isdigit())
     per_dim = {  # a window field per spatial dimension, e.g. stride=2x2, pad=1_1x1_1

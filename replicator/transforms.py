@@ -250,11 +250,23 @@ def apply_if_finite(update: Update) -> GuardedUpdate:
 
     def guarded(grads, params, opt_state):
         finite = agree_across_replicas(all_finite(grads))
+        if select_instead_of_branch():
+            new = update(params, opt_state)
+            return keep_if_not_finite(finite, new, (params, opt_state)), finite
         # One branch for the whole update: a per-leaf select would copy every
-        # parameter and optimizer leaf each step (measured: 13% slower at 8 devices).
+        # parameter and optimizer leaf each step (XLA:CPU, measured: 13% slower at 8
+        # devices; docs/benchmarks.md, "LM step").
         return jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state), finite
 
     return guarded
+
+
+def select_instead_of_branch() -> bool:
+    """Whether `apply_if_finite` selects per leaf rather than branching: on GPUs. XLA:GPU
+    runs a conditional by reading its predicate back to the host, which waits for the
+    step's gradients before it can launch the update, every step; the select stays
+    on the device (measured on an H100, docs/benchmarks.md, "LM step on a GPU")."""
+    return jax.default_backend() == "gpu"
 
 
 def apply_always(update: Update) -> GuardedUpdate:

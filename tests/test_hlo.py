@@ -163,3 +163,76 @@ def test_a_stacked_buffer_sliced_in_a_loop_counts_its_slices():
     # the carry is copied in once. Reading the whole stack each trip would add L x stack.
     per_trip = 2 * layer + (carry + layer + carry) + 2 * carry
     assert analysis.hbm_bytes == pytest.approx(L * per_trip + 2 * carry, rel=0.01)
+
+
+# XLA:GPU hands matrix products to libraries as custom calls; their text as XLA:GPU
+# prints it (the formats of XLA's own gemm-rewriter, conv-rewriter and fused-attention
+# tests): a cuBLAS GEMM with its workspace, cuDNN's flash attention forward and
+# backward (q, k, v as [batch, time, heads, head_dim], JAX's layout), and a cuDNN
+# convolution with both of its backward kinds.
+_DOT = (
+    '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+    '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}'
+)
+_BMM = (
+    '"bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],'
+    '"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],'
+    '"rhs_batch_dimensions":["0","2"]},"bmm2_dot_dimension_numbers":{'
+    '"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["1"],'
+    '"lhs_batch_dimensions":["0","1"],"rhs_batch_dimensions":["0","2"]}'
+)
+_BMM_GRAD = (
+    '"bmm1_grad_gemm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],'
+    '"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0","1"],'
+    '"rhs_batch_dimensions":["0","2"]},"bmm2_grad_gemm2_dot_dimension_numbers":{'
+    '"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],'
+    '"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}'
+)
+GPU_PROGRAM = f"""HloModule gpu_step, entry_computation_layout={{()->f32[]}}
+
+ENTRY %main (a: bf16[64,128], b: bf16[128,256], q: bf16[2,512,4,64], k: bf16[2,512,4,64], v: bf16[2,512,4,64], x: f32[8,28,28,1], w: f32[3,3,1,32], g: f32[8,28,28,32]) -> f32[] {{
+  %a = bf16[64,128]{{1,0}} parameter(0)
+  %b = bf16[128,256]{{1,0}} parameter(1)
+  %gemm = (bf16[64,256]{{1,0}}, s8[4194304]{{0}}) custom-call(bf16[64,128]{{1,0}} %a, bf16[128,256]{{1,0}} %b), custom_call_target="__cublas$gemm", backend_config={{"operation_queue_id":"0","gemm_backend_config":{{"alpha_real":1,"beta":0,{_DOT},"epilogue":"DEFAULT"}}}}
+  %q = bf16[2,512,4,64]{{3,2,1,0}} parameter(2)
+  %k = bf16[2,512,4,64]{{3,2,1,0}} parameter(3)
+  %v = bf16[2,512,4,64]{{3,2,1,0}} parameter(4)
+  %fmha = (bf16[2,512,4,64]{{3,2,1,0}}, f32[2,4,512]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={{"cudnn_fmha_backend_config":{{"fmha_scale":0.125,"is_flash_attention":true,"mask_type":"CAUSAL",{_BMM}}}}}
+  %fmha_bwd = (bf16[2,512,4,64]{{3,2,1,0}}, bf16[2,512,4,64]{{3,2,1,0}}, bf16[2,512,4,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v, %q), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={{"cudnn_fmha_backend_config":{{"is_flash_attention":true,{_BMM_GRAD}}}}}
+  %x = f32[8,28,28,1]{{3,2,1,0}} parameter(5)
+  %w = f32[3,3,1,32]{{3,2,1,0}} parameter(6)
+  %g = f32[8,28,28,32]{{3,2,1,0}} parameter(7)
+  %conv = (f32[8,28,28,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %w), window={{size=3x3 pad=1_1x1_1}}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  %dx = (f32[8,28,28,1]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%g, %w), window={{size=3x3 pad=1_1x1_1}}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dw = (f32[3,3,1,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %g), window={{size=3x3 pad=1_1x1_1}}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %r = f32[] constant(0)
+}}
+"""  # noqa: E501  (XLA's lines, as printed)
+
+
+def test_gpu_library_calls_count_as_the_products_they_compute():
+    gemm = 2 * 64 * 256 * 128
+    attention = 2 * (2 * 4) * 512 * 512 * 64  # one product: batch x heads, queries x keys x d
+    same = (
+        8
+        * 32
+        * 1
+        * sum(  # a 3x3 SAME convolution: the window positions on input
+            min(i + 1, 28 - 1) - max(i - 1, 0) + 1 for i in range(28)
+        )
+        ** 2
+        * 2
+    )
+    expected = gemm + 2 * attention + 5 * attention + 3 * same
+    assert hlo.analyze(GPU_PROGRAM).flops == expected
+
+
+def test_a_conv_counted_as_a_gpu_library_call_equals_the_same_convolution_on_cpu():
+    x, k = abstract((8, 28, 28, 1)), abstract((3, 3, 1, 32))
+    conv = lambda x, k: jax.lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    cpu = hlo.analyze(compiled_text(conv, x, k)).flops
+    gpu = hlo.analyze(GPU_PROGRAM.replace('"__cudnn$convBackward', '"other$')).flops
+    gemm, attention = 2 * 64 * 256 * 128, 2 * 8 * 512 * 512 * 64
+    assert gpu - gemm - 7 * attention == cpu

@@ -188,6 +188,49 @@ def test_the_guard_is_one_conditional_and_can_be_left_out(path):
         repl.run(make(False), repl.replicate(scaled), batch)
 
 
+@pytest.mark.parametrize("path", ["run", "compile"])
+def test_on_gpus_the_guard_selects_per_leaf_and_skips_alike(path, monkeypatch):
+    """Where XLA runs a conditional by reading its predicate on the host (GPUs), the
+    guard is a per-leaf select: no conditional, the whole state donated, and the same
+    state as the branch after finite and non-finite steps (fp16's scale included; the
+    non-finite step skipped by both)."""
+    repl = rp.Replicator(precision="fp16")
+    tx = repl.wrap_optimizer(optax.adam(0.1))
+    bad = make_batch(masked=0)
+    bad["x"][5] = np.inf
+    batches = [repl.shard_batch(b) for b in (make_batch(0), bad, make_batch(1))]
+
+    def train(select: bool):
+        monkeypatch.setattr(rp.transforms, "select_instead_of_branch", lambda: select)
+        step_fn = make_step(tx, weighted=True)  # a new function: traced anew
+        scale = rp.LossScale.create(2.0**10)
+        fresh = lambda: repl.replicate(  # noqa: E731
+            rp.TrainState.create(init_params(), tx, jax.random.key(0), loss_scale=scale)
+        )
+        if path == "run":
+            lowered = repl.lower(step_fn, fresh(), batches[0], donate_argnums=(0,))
+            call = lambda s, b: repl.run(step_fn, s, b, donate_argnums=(0,))  # noqa: E731
+        else:
+            call = repl.compile(step_fn, donate_argnums=(0,))
+            lowered = call.jitted.lower(fresh(), batches[0])
+        hlo = lowered.compile().as_text()
+        state = fresh()
+        for batch in batches:
+            state = call(state, batch)[0]
+        return hlo, state
+
+    branch_hlo, branched = train(False)
+    select_hlo, selected = train(True)
+    assert branch_hlo.count(" conditional(") == 1 and select_hlo.count(" conditional(") == 0
+    leaves = len(jax.tree.leaves(selected))
+    assert select_hlo.count("may-alias") + select_hlo.count("must-alias") == leaves
+    assert int(selected.skipped_steps) == 1 and int(selected.step) == 3
+    data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    # (the same arithmetic, fused differently around a select: equal to rounding)
+    close = lambda a, b: np.testing.assert_allclose(data(a), data(b), rtol=1e-6, atol=1e-7)
+    jax.tree.map(close, selected, branched)
+
+
 def test_loss_scale_survives_a_checkpoint(tmp_path):
     repl = rp.Replicator()
     tx = optax.adam(0.1)
