@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from replicator.context import vary, varying_axes
+from replicator.context import get_replica_context, vary, varying_axes
 
 EXPERT_AXIS = "expert"
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")  # the stacked ``[E, ...]`` leaves of the parameters
@@ -120,6 +120,8 @@ def route(
       normalize_gates: renormalise the ``k`` gates of a token to sum to 1.
       batch_axes: inside a ``shard_map``, the manual mesh axes the batch is split
         over: the auxiliary values then cover the tokens of every device of them.
+        Under `Replicator.run` the replica axes the logits vary over are added: the
+        auxiliary values are the whole global batch's, as on one device.
 
     Returns:
       A `Routing`.
@@ -151,10 +153,16 @@ def route(
         jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
         kept,
     )
-    if batch_axes:
-        sums = jax.lax.psum(sums, batch_axes)
+    # The batch's other rows: the automatic axes a library program went manual over,
+    # and under `Replicator.run` the replicas the tokens vary over. Summed over them,
+    # the losses and the dropped fraction are one device's over the whole batch.
+    ctx = get_replica_context()
+    replicas = () if ctx is None else varying_axes(logits, ctx.axis_name)
+    axes = tuple(batch_axes) + tuple(a for a in replicas if a not in batch_axes)
+    if axes:
+        sums = jax.lax.psum(jax.tree.map(lambda x: vary(x, axes), sums), axes)
     mesh = jax.sharding.get_abstract_mesh()
-    tokens = B * S * math.prod(mesh.shape[a] for a in batch_axes)
+    tokens = B * S * math.prod(mesh.shape[a] for a in axes)
     pairs, prob, z_loss, kept = sums
     balance = E * jnp.sum(pairs / (tokens * k) * prob / tokens)  # f_e sums to 1 over e
     aux = MoEAux(balance, z_loss / tokens, 1.0 - kept / (tokens * k))
@@ -194,7 +202,8 @@ def moe_layer(
 
     Returns:
       ``(y, aux)``: ``y`` shaped like ``x``; aux a `MoEAux` over the tokens of the
-      call (in the global view the whole batch; inside a ``shard_map``, this device's).
+      call (in the global view and under `Replicator.run` the whole batch; inside a
+      ``shard_map`` of your own, this device's).
 
     Raises:
       ValueError: ``E`` not divisible by the size of ``axis``, ``k`` not in ``[1, E]``,

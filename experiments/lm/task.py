@@ -147,9 +147,8 @@ def make_experiment(settings: Settings) -> Experiment:
     ``perplexity = exp(loss)``; a mixture-of-experts model's train records also
     ``dropped_fraction`` (token-choice pairs over capacity) and its training loss
     adds ``MOE_BALANCE_WEIGHT`` x the load-balancing loss and ``MOE_Z_LOSS_WEIGHT`` x
-    the router z-loss (means over the MoE layers; under `Replicator.run` each
-    replica's over its own tokens, weighed by its share of them, so the load
-    balance is per replica there, as MaxText's is per device); throughput counts
+    the router z-loss (means over the MoE layers, each over the whole batch's tokens
+    on both step paths, as on one device); throughput counts
     ``max_len`` tokens per example.
     """
     network = make_model(
