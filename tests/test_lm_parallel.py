@@ -117,6 +117,26 @@ def test_a_bad_context_strategy_is_one_config_error():
     ]  # one problem, one line
 
 
+def test_context_on_the_run_path_says_it_saves_no_memory(tmp_path, caplog):
+    """Under ``step_path='run'`` the context devices compute whole sequences alike:
+    training says so, once, and points to ``compile``; ``compile`` says nothing."""
+    from replicator.trainer.setup import setup
+    from tests.test_lm import build, load_config
+
+    data_dir = str(tmp_path / "tfds")
+    build("python_stdlib/modules_128", data_dir)
+    said = {}
+    for path in ("run", "compile"):
+        _, config = load_config("lm_tiny", "smoke")
+        config.update(mesh={"context": 2, "data": 4}, step_path=path, data_dir=data_dir)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="replicator"):
+            setup(config).close()
+        said[path] = [r.getMessage() for r in caplog.records if "'context'" in r.getMessage()]
+    assert len(said["run"]) == 1 and "step_path='compile'" in said["run"][0]
+    assert said["compile"] == []
+
+
 def test_the_classifiers_refuse_a_context_axis():
     from experiments.classify.task import make_experiment as classify
 

@@ -149,6 +149,12 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     )
     if training:
         _check_train_batch(config, repl)
+        if config.step_path == "run" and repl.mesh.shape.get("context", 1) > 1:
+            log.warning(
+                "step_path='run' with mesh axis 'context': each replica's step sees whole "
+                "sequences, so the context devices compute alike (exact, but no memory "
+                "saving); step_path='compile' splits the sequence over them."
+            )
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
         raise ConfigError(
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "
