@@ -174,7 +174,8 @@ def test_replicate_keeps_shared_references_and_donation_works():
     for n, call in enumerate((repl.run, lambda f, *a, **k: repl.compile(f, **k)(*a)), 1):
         old, x = model.a.kernel.get_value(), repl.shard_batch(np.ones((8,), np.float32))
         call(step, model, x, donate_argnums=(0,))
-        np.testing.assert_allclose(model.b.kernel.get_value(), before + 8.0 * n)
+        # (of a copy too: since JAX 0.11 a NumPy view outlives the check on CPU)
+        np.testing.assert_allclose(model.b.kernel.get_value() + 0, before + 8.0 * n)
         assert old.is_deleted() and not x.is_deleted()  # donated, and only what was
         assert not model.a.kernel.get_value().is_deleted()
 
