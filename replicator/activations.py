@@ -24,13 +24,15 @@ from jax.sharding import PartitionSpec as P
 from replicator.sharding import DEFAULT_RULES, Rule, _as_axes, _names_mesh_axes
 
 ACTIVATION_RULES: tuple[Rule, ...] = (
-    ("activation_batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_length", "context"),
 )
-"""MaxText's placement of activations named with `constrain`: the batch over ``data``
-and ``fsdp``, attention heads and the MLP's hidden width over ``tensor``, the
+"""MaxText's placement of activations named with `constrain`: the batch over ``data``,
+``fsdp`` and ``expert`` (outside its mixture-of-experts layers an expert device is a
+data-parallel one: without it, a mesh ``{'expert': 4, 'data': 2}`` computed the
+attention 4 times over, 3x the FLOPs of ``{'data': 8}``), attention heads and the MLP's hidden width over ``tensor``, the
 sequence over ``context`` (`replicator.context_parallel`). They apply
 whenever the parameters are sharded, unless the rules name the same activation axis
 (``("activation_batch", None)`` leaves the batch to the compiler)."""
@@ -107,7 +109,7 @@ def current_axes(name: str) -> tuple[str, ...]:
 
 def batch_axes(mesh, rows: int, exclude: str) -> tuple[str, ...]:
     """The automatic mesh axes the rules split the batch over (`current_axes` of
-    ``activation_batch``: ``data``, ``fsdp``) but ``exclude``, if ``rows`` divides over
+    ``activation_batch``: ``data``, ``fsdp``, ``expert``) but ``exclude``, if ``rows`` divides over
     them all (else none): the axes a library program (`replicator.pipelining`,
     `replicator.context_parallel`) goes manual over beside its own, so that each
     device works on its own rows."""
