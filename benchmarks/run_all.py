@@ -36,7 +36,7 @@ OURS = {
 # Their docs sections are written by hand.
 OTHERS = (
     "loader", "checkpoint", "precision", "host_overhead", "lm_step", "loss_chunk", "storage",
-    "grad_sum", "tpu_programs", "pipeline",
+    "grad_sum", "tpu_programs", "pipeline", "context_experts",
 )  # fmt: skip
 PREAMBLE = """# Benchmarks
 
@@ -60,6 +60,7 @@ def sections() -> dict[str, str]:
     """Our rendered sections, keyed by their ``## `` heading line."""
     import checkpoint
     import compile as compile_bench
+    import context_experts
     import efficiency
     import grad_sum
     import pipeline
@@ -80,6 +81,7 @@ def sections() -> dict[str, str]:
         "grad_sum": grad_sum,
         "tpu_programs": tpu_programs,
         "pipeline": pipeline,
+        "context_experts": context_experts,
     }
     out = {}
     for name, module in modules.items():
