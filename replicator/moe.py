@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -109,6 +110,7 @@ def route(
     capacity: int | None,
     normalize_gates: bool = True,
     batch_axes: tuple[str, ...] = (),
+    token_order: Any = None,
 ) -> Routing:
     """Top-k routing of ``[B, S, E]`` router logits with a per-sequence capacity.
 
@@ -122,6 +124,10 @@ def route(
         over: the auxiliary values then cover the tokens of every device of them.
         Under `Replicator.run` the replica axes the logits vary over are added: the
         auxiliary values are the whole global batch's, as on one device.
+      token_order: the sequence position of each of the ``S`` tokens as they are
+        stored (a permutation of ``range(S)``, static), when they are not in order
+        (`replicator.context_parallel.load_balance`): the capacity queues follow the
+        positions, so the same tokens drop as in order. None: stored in order.
 
     Returns:
       A `Routing`.
@@ -143,8 +149,12 @@ def route(
     chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, S, k, E]
     slots, kept = None, jnp.ones((), jnp.float32) * (B * S * k)
     if capacity is not None:
-        queue = chosen.reshape(B, S * k, E)  # position-major: token s's choices before s + 1's
+        order = _checked_order(token_order, S)
+        in_order = chosen if order is None else chosen[:, np.argsort(order)]
+        queue = in_order.reshape(B, S * k, E)  # position-major: token s's choices before s + 1's
         position = jnp.sum((jnp.cumsum(queue, axis=1) - 1) * queue, axis=-1).reshape(B, S, k)
+        if order is not None:
+            position = position[:, order]  # back to where the tokens are stored
         slots = jnp.where(position < capacity, experts * capacity + position, E * capacity)
         slots, kept = slots.astype(jnp.int32), jnp.sum(position < capacity, dtype=jnp.float32)
     sums = (
@@ -179,6 +189,7 @@ def moe_layer(
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
     normalize_gates: bool = True,
     axis: str = EXPERT_AXIS,
+    token_order: Any = None,
 ) -> tuple[jax.Array, MoEAux]:
     """A mixture-of-experts feed-forward layer, its experts split over the mesh axis ``axis``.
 
@@ -199,6 +210,8 @@ def moe_layer(
       activation: the MLP's nonlinearity.
       normalize_gates: renormalise a token's ``k`` gates to sum to 1.
       axis: the mesh axis the experts are split over.
+      token_order: where each token of a sequence stands in it, if not in order
+        (`route`'s ``token_order``).
 
     Returns:
       ``(y, aux)``: ``y`` shaped like ``x``; aux a `MoEAux` over the tokens of the
@@ -230,7 +243,14 @@ def moe_layer(
     if capacity is None:
         _check_dropless(params["wi"], num_experts, shards, axis, split)
     layer = _Layer(
-        num_experts, experts_per_token, capacity, activation, normalize_gates, axis, shards
+        num_experts,
+        experts_per_token,
+        capacity,
+        activation,
+        normalize_gates,
+        axis,
+        shards,
+        token_order,
     )
     mesh = jax.sharding.get_abstract_mesh()
     rows = () if mesh.empty else _token_axes(mesh, axis if split else None, x_BxSxd.shape[0])
@@ -322,7 +342,7 @@ class MoEFeedForward(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x: jax.Array, token_order: Any = None) -> tuple[jax.Array, MoEAux]:
         d, E, f = x.shape[-1], self.num_experts, self.mlp_dim
         shapes = {"router": (d, E), "wi": (E, d, f), "wo": (E, f, d)}
         if self.gated:
@@ -339,7 +359,7 @@ class MoEFeedForward(nn.Module):
         return moe_layer(
             params, x, num_experts=E, experts_per_token=self.experts_per_token,
             capacity_factor=self.capacity_factor, activation=self.activation,
-            normalize_gates=self.normalize_gates, axis=self.axis,
+            normalize_gates=self.normalize_gates, axis=self.axis, token_order=token_order,
         )  # fmt: skip
 
 
@@ -358,9 +378,12 @@ class _Layer:
     """One device's part of the layer: its tokens routed, put in ``[E, C]`` buffers, those
     sent to their experts' devices, the experts' MLPs, and the results back, weighted."""
 
-    def __init__(self, num_experts, experts_per_token, capacity, activation, normalize, axis, X):
+    def __init__(
+        self, num_experts, experts_per_token, capacity, activation, normalize, axis, X, order=None
+    ):
         self.E, self.k, self.C = num_experts, experts_per_token, capacity
         self.activation, self.normalize, self.axis, self.X = activation, normalize, axis, X
+        self.order = order
 
     def __call__(self, params: Params, x_BxSxd, batch_axes=()) -> tuple[jax.Array, MoEAux]:
         """``params``' experts: ``[E, ...]``, or this device's ``[E / X, ...]`` (``axis``
@@ -370,7 +393,7 @@ class _Layer:
         )
         routing = route(
             logits, experts_per_token=self.k, capacity=self.C,
-            normalize_gates=self.normalize, batch_axes=batch_axes,
+            normalize_gates=self.normalize, batch_axes=batch_axes, token_order=self.order,
         )  # fmt: skip
         experts = {name: params[name] for name in EXPERT_WEIGHTS if name in params}
         if self.C is None:
@@ -494,6 +517,19 @@ def _token_axes(mesh, axis: str | None, batch: int) -> tuple[str, ...]:
             if batch % (math.prod(mesh.shape[a] for a in rows) * mesh.shape[name]) == 0:
                 rows.append(name)
     return tuple(rows)
+
+
+def _checked_order(token_order: Any, length: int) -> np.ndarray | None:
+    """``token_order`` as an index array, checked to be a permutation of ``range(length)``."""
+    if token_order is None:
+        return None
+    order = np.asarray(token_order)
+    if order.shape != (length,) or not np.array_equal(np.sort(order), np.arange(length)):
+        raise ValueError(
+            f"token_order must be a permutation of the {length} positions of a sequence, "
+            f"got shape {order.shape}."
+        )
+    return order
 
 
 def _is_manual(axis: str) -> bool:

@@ -146,6 +146,25 @@ def test_a_small_capacity_drops_the_later_tokens_deterministically():
     assert float(layer(params, x + 0)) == float(layer(params, x))
 
 
+def test_tokens_stored_out_of_order_drop_what_they_drop_in_order():
+    """Capacity queues follow ``token_order`` (each stored token's position, as
+    `context_parallel.load_balance` leaves them): the layer on the permuted sequence is
+    the layer on the sequence in order, permuted, the same pairs dropped."""
+    params, x = _inputs()
+    order = rp.context_parallel.context_positions(S, 2, load_balanced=True)
+    stored = x[:, order]  # position order[i] stored at i
+    y, aux = jax.jit(lambda p, x: _layer(p, x, 0.5))(params, x)
+    y_stored, aux_stored = jax.jit(lambda p, x: _layer(p, x, 0.5, token_order=order))(
+        params, stored
+    )
+    assert 0 < float(aux.dropped_fraction) < 1
+    _close((y_stored, aux_stored), (y[:, order], aux))
+    blind = jax.jit(lambda p, x: _layer(p, x, 0.5)[0])(params, stored)  # the order ignored
+    assert not np.allclose(blind, y[:, order], atol=1e-5)
+    with pytest.raises(ValueError, match="permutation of the 8 positions"):
+        moe.route(jnp.zeros((1, S, E)), experts_per_token=K, capacity=1, token_order=[0, 0])
+
+
 # --------------------------------------------------------------- expert parallel
 
 

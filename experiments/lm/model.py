@@ -226,10 +226,19 @@ class Block(nn.Module):
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
         if self.num_experts:
+            # Load-balanced tokens are stored out of order: capacity queues follow
+            # their positions, so the tokens that drop are those one device drops.
+            cp = context_size()
+            length = x_BxTxE.shape[1]
+            order = (
+                context_positions(length, cp, True)
+                if self.context_load_balance and cp > 1
+                else None
+            )
             h, aux = MoEFeedForward(
                 self.num_experts, self.experts_per_token, self.mlp_dim,
                 self.expert_capacity_factor, activation=nn.gelu, name="moe",
-            )(h)  # fmt: skip
+            )(h, token_order=order)  # fmt: skip
             self.sow("intermediates", "moe_aux", aux)
         else:
             h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
