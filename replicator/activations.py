@@ -101,7 +101,7 @@ def current_axes(name: str) -> tuple[str, ...]:
     (`ACTIVATION_RULES` outside any): e.g. ``("data", "fsdp")`` for the batch.
 
     >>> current_axes("activation_batch")
-    ('data', 'fsdp')
+    ('data', 'fsdp', 'expert')
     """
     rules = _ACTIVATION_RULES.get()
     return _rule_axes(name, ACTIVATION_RULES if rules is None else rules)
