@@ -32,10 +32,11 @@ ACTIVATION_RULES: tuple[Rule, ...] = (
 """MaxText's placement of activations named with `constrain`: the batch over ``data``,
 ``fsdp`` and ``expert`` (outside its mixture-of-experts layers an expert device is a
 data-parallel one: without it, a mesh ``{'expert': 4, 'data': 2}`` computed the
-attention 4 times over, 3x the FLOPs of ``{'data': 8}``), attention heads and the MLP's hidden width over ``tensor``, the
-sequence over ``context`` (`replicator.context_parallel`). They apply
-whenever the parameters are sharded, unless the rules name the same activation axis
-(``("activation_batch", None)`` leaves the batch to the compiler)."""
+attention 4 times over, 3x the FLOPs of ``{'data': 8}``), attention heads and the
+MLP's hidden width over ``tensor``, the sequence over ``context``
+(`replicator.context_parallel`). They apply whenever the parameters are sharded,
+unless the rules name the same activation axis (``("activation_batch", None)``
+leaves the batch to the compiler)."""
 
 
 _ACTIVATION_RULES: contextvars.ContextVar[tuple[Rule, ...] | None] = contextvars.ContextVar(
