@@ -350,9 +350,11 @@ def render_findings(result: dict) -> str:
             "'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}`.",
             "- Where a process holds several CPU devices: the malloc setting "
             "(`cpu.keep_freed_memory`, process-wide: the process keeps its peak heap, "
-            "which a training loop reaches every step anyway) and the memory-optimized "
-            "scheduler (`cpu.SEVERAL_DEVICES_OPTIONS`). Not for a single device, where "
-            "neither pays.",
+            "which a training loop reaches every step anyway). Not for a single device, "
+            "where it does not pay. The memory-optimized scheduler was a default too, until "
+            "it crashed or deadlocked XLA:CPU on programs with collectives over two mesh "
+            "axes (an MoE step reducing over `data` and `expert`, 2026-11-26); on top of "
+            "the malloc setting it had measured 1.05 [0.65-1.27].",
             "- One device per core: not made the default. It pays at batch 256 (1.8x), but "
             "the offline default (digits, batch 64) trains slower on 2 devices than on 1 "
             "(12.8 s vs 10.4 s); use `--cpu_devices=N` where the per-device batch is large.",

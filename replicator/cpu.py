@@ -15,11 +15,12 @@
   serves such blocks with ``mmap`` and returns them with ``munmap``, so every
   step faults its pages in again, and the devices' threads queue on the
   kernel's memory map lock: `keep_freed_memory` (the tutorial CNN on 2 devices:
-  1.8x). `SEVERAL_DEVICES_OPTIONS`, XLA's memory-optimized scheduler, orders
-  the step so that the devices contend less (1.24x without the malloc setting,
-  neutral with it; it is what helps where the C library is not glibc).
-  Results are bitwise the same. On 1 device neither pays (0.9-1.0x).
-  ``benchmarks/conv_study.py`` found the scheduler, and that no matmul
+  1.8x). On 1 device it does not pay (0.9-1.0x). XLA's memory-optimized
+  scheduler (``xla_cpu_scheduler_type``) was a default here too (1.24x without
+  the malloc setting, neutral with it), until it crashed or deadlocked XLA:CPU on
+  a program with collectives over two mesh axes (the MoE LM under `run` on
+  ``{'expert': 2, 'data': 4}``, reducing its sums over ``data``; it runs with
+  JAX's scheduler). ``benchmarks/conv_study.py`` found that no matmul
   formulation of the convolutions beats Eigen's.
 
 `configure` applies all of it for a set of devices; the Replicator calls it.
@@ -40,7 +41,6 @@ from jax.interpreters import mlir
 from replicator.runtime import compat
 
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-SEVERAL_DEVICES_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 def configure(devices) -> dict[str, str] | None:
@@ -56,7 +56,6 @@ def configure(devices) -> dict[str, str] | None:
     options = dict(COMPILER_OPTIONS)
     if _several_per_process(devices):
         keep_freed_memory()
-        options |= SEVERAL_DEVICES_OPTIONS
     return options
 
 

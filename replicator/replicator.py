@@ -34,7 +34,7 @@ class Replicator:
         step returns. ``None``: 2 on a mesh of several CPU devices (an unbounded queue has
         deadlocked XLA:CPU's all-reduce rendezvous), no bound elsewhere (`replicator.dispatch`).
       cpu_defaults: on a CPU mesh, apply `replicator.cpu.configure` (faster max pooling and
-        convolutions, XLA's memory-optimized scheduler; some process-wide): 3-6x faster training
+        convolutions, glibc keeping freed memory; some process-wide): 3-6x faster training
         of the tutorial CNN on CPU. False keeps JAX's defaults.
       rules: how parameters shard: ``(logical_axis, mesh_axis)`` pairs for flax logical-axis
         annotations, or ``(path_regex, (mesh_axis, ...))``; None:

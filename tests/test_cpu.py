@@ -52,8 +52,8 @@ def test_overlapping_windows_keep_jax_lowering():
 def test_replicator_on_cpu_compiles_convolutions_with_eigen():
     one = rp.Replicator(devices=jax.devices()[:1])
     assert one._compiler_options == cpu.COMPILER_OPTIONS
-    several = rp.Replicator()  # 8 devices in this process: also the scheduler option
-    assert several._compiler_options == cpu.COMPILER_OPTIONS | cpu.SEVERAL_DEVICES_OPTIONS
+    several = rp.Replicator()  # 8 devices in this process: the same options, JAX's scheduler
+    assert several._compiler_options == cpu.COMPILER_OPTIONS
     assert rp.Replicator(cpu_defaults=False)._compiler_options is None
 
 

@@ -187,6 +187,50 @@ def test_the_moe_lm_over_experts_trains_like_one_device(path, mesh, batches, one
     assert diffs.max() < 1e-3 and np.mean(diffs > 2e-5) < 1e-3, (diffs.max(), np.mean(diffs > 2e-5))
 
 
+_REDUCED_IN_THE_STEP = """
+import jax, numpy as np
+import tests.conftest  # 8 fake CPU devices
+import replicator as rp
+from experiments.lm import make_experiment
+from experiments.lm.task import make_preprocess
+from tests.test_lm_parallel import MOE, _settings
+
+rng = np.random.default_rng(0)
+batches = [make_preprocess(32)({"tokens": rng.integers(0, 64, (16, 33))}) for _ in range(3)]
+repl = rp.Replicator(mesh={"expert": 2, "data": 4}, min_size=0)
+experiment = make_experiment(_settings(repl, MOE))
+example = jax.tree.map(lambda x: x[0], batches[0])
+state = repl.init(experiment.init_state, jax.random.key(0), example)
+
+def step(state, batch):
+    state, sums = experiment.train_step(state, batch)
+    return state, repl.reduce(rp.ReduceOp.SUM, sums)  # as the trainer's step does
+
+for batch in batches:
+    state, sums = repl.run(step, state, repl.shard_batch(batch))
+    print("loss", float(jax.device_get(sums)["loss"]), flush=True)
+"""
+
+
+def test_an_moe_step_reducing_its_sums_over_data_runs_on_cpu():
+    """A step with collectives over two axes (the experts' over ``expert``, the sums'
+    over ``data``) under `run`: XLA:CPU's memory-optimized scheduler, once a CPU
+    default, crashed or deadlocked it at random (heap corruption, rendezvous
+    timeouts). In a process of its own, so that a crash fails this test alone."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _REDUCED_IN_THE_STEP], cwd=root, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = [float(line.split()[1]) for line in done.stdout.splitlines()]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_a_capacity_of_every_expert_drops_nothing(scan_layers, batches):

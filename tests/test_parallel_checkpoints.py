@@ -84,8 +84,8 @@ def test_a_run_on_4_experts_resumes_on_2_and_on_none_and_evaluates_on_1_device(
     tmp_path, stdlib_dir
 ):
     """The experts' kernels are saved whole ``[experts, ...]``: a run checkpointed with
-    them split 4 ways over ``expert`` resumes split 2 ways, and on ``data`` alone, like
-    the uninterrupted run; its checkpoints evaluate on one device as
+    them split 4 ways over ``expert`` resumes split 2 ways (both step paths), and on
+    ``data`` alone, like the uninterrupted run; its checkpoints evaluate on one device as
     they did on the expert mesh. Capacity factor 1 drops tokens: the same ones on every
     layout, or the losses would part."""
 
@@ -96,7 +96,8 @@ def test_a_run_on_4_experts_resumes_on_2_and_on_none_and_evaluates_on_1_device(
         tmp_path,
         config,
         saved_on={"expert": 4, "data": 2},
-        resumed_on=[({"expert": 2, "data": 4}, "compile"), ({"data": 8}, "compile")],
+        resumed_on=[({"expert": 2, "data": 4}, "compile"), ({"data": 8}, "compile"),
+                    ({"expert": 2, "data": 4}, "run")],
     )  # fmt: skip
     assert all(0 < trained[step]["dropped_fraction"] < 1 for step in (2, 4))
 
