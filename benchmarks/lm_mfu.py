@@ -86,6 +86,7 @@ def worker(config_path: str, name: str, batch: int, steps: int, rounds: int) -> 
         per_step.append((time.perf_counter() - start) / steps)
     program = run.train_step.lower(state, data).compile().as_text()
     devices = list(run.repl.mesh.devices.flat)
+    hlo_flops = hlo.analyze(program).flops * len(devices)
     m = config.model
     params = sum(x.size for x in jax.tree.leaves(run.abstract_state.params))
     if m.get("positions", "learned") == "learned":
@@ -108,9 +109,9 @@ def worker(config_path: str, name: str, batch: int, steps: int, rounds: int) -> 
         "step_s_rounds": per_step,
         "tokens_per_s": tokens / step_s,
         "model_flops": model_flops,
-        "hlo_flops": hlo.analyze(program).flops * len(devices),
+        "hlo_flops": hlo_flops,
         "mfu": None if peak is None else model_flops / step_s / peak,
-        "hfu": None if peak is None else hlo.analyze(program).flops * len(devices) / step_s / peak,
+        "hfu": None if peak is None else hlo_flops / step_s / peak,
         "peak_bytes": stats.get("peak_bytes_in_use"),
     }
 
