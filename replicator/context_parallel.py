@@ -15,11 +15,19 @@ sequence, by one of two strategies:
   ring of devices with ``ppermute`` (``CP - 1`` hops), each device folding every
   block into a running softmax (the maximum, the sum and the weighted values, as
   flash attention does), so no device holds more than the block it works on and
-  the one arriving, never the whole sequence's keys and values. Blocks
-  that the causal mask hides entirely are skipped (``lax.cond``), not computed
-  and masked. Its backward pass is a second trip round the ring (a custom VJP):
-  the blocks go round again with their gradients, and the saved state is only
-  this device's queries, keys, values, output and log-sum-exp.
+  the one arriving, never the whole sequence's keys and values. Its backward
+  pass is a second trip round the ring (a custom VJP): the blocks go round again
+  with their gradients, and the saved state is only this device's queries, keys,
+  values, output and log-sum-exp.
+
+Either way a device works through its queries and the keys it holds in chunks
+(``chunk`` positions, 512 by default) as flash attention does: one
+``[batch, chunk, heads, chunk]`` block of float32 scores at a time, never a
+``[T / CP, T]`` one, forward and backward (flash attention's backward, which
+recomputes the probabilities from the saved log-sum-exp). Under ``"ring"`` the
+pairs of chunks the causal mask hides entirely are known from the hop and are
+not computed at all; under ``"gather"``, whose queries' positions depend on the
+shard, they are skipped at run time (``lax.cond``).
 
 With a causal mask a plain split is uneven: the device holding the end of the
 sequence attends to all of it, the first only to its own block. `load_balance`
@@ -51,6 +59,7 @@ backward pass is a ``shard_map`` of its own that recomputes the forward first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -65,6 +74,7 @@ from replicator.context import vary
 
 CONTEXT_AXIS = "context"
 STRATEGIES = ("gather", "ring")
+CHUNK = 512  # positions of queries and keys per block of scores
 _F32 = jnp.float32
 
 
@@ -77,6 +87,7 @@ def context_attention(
     load_balanced: bool = False,
     axis: str = CONTEXT_AXIS,
     implementation: str = "auto",
+    chunk: int = CHUNK,
 ) -> jax.Array:
     """Causal multi-head attention of a sequence split over the mesh axis ``axis``.
 
@@ -98,6 +109,11 @@ def context_attention(
       implementation: `replicator.attention.causal_attention`'s kernel where the
         sequence is not split (no ``axis``, or size 1). A split sequence's blocks
         are XLA's matrix products: ``"auto"`` or ``"xla"`` there.
+      chunk: where the sequence is split, queries and keys are taken this many
+        positions at a time (the largest number up to it that divides a shard's
+        block, or its halves when load balanced): a device holds one
+        ``[batch, chunk, heads, chunk]`` block of float32 scores at a time, and
+        computes only the pairs of chunks that the causal mask leaves visible.
 
     Returns:
       The attention output, shaped and split like ``q``, in ``q``'s dtype.
@@ -125,7 +141,7 @@ def context_attention(
             f"use implementation='auto'."
         )
     local = functools.partial(
-        _local_attention, strategy=strategy, balanced=load_balanced, axis=axis
+        _local_attention, strategy=strategy, balanced=load_balanced, axis=axis, chunk=chunk
     )
     length = q_BxTxHxD.shape[1]
     if _is_manual(axis):
@@ -280,56 +296,201 @@ def _reorder(x, cp: int, axis: int, *, inverse: bool):
 # ------------------------------------------------------------ one device's program
 
 
-def _local_attention(q, k, v, *, strategy, balanced, axis, whole=False) -> jax.Array:
+def _local_attention(q, k, v, *, strategy, balanced, axis, chunk, whole=False) -> jax.Array:
     """With ``axis`` manual: this device's queries attending to the whole sequence
     (``whole``: the device holds all of it, as every device along ``axis`` does)."""
     cp = context_size(axis)
-    varying = set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))
-    q, k, v = (vary(x, tuple(sorted(varying))) for x in (q, k, v))
+    q, k, v = (vary(x, _varying(q, k, v)) for x in (q, k, v))
     batch, length, heads, head_dim = q.shape
     q5 = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # B,T,K,G,D
-    if whole:
-        positions = context_positions(length, cp, balanced)
-        out = _masked_attention(q5, k, v, positions, positions)
-    elif strategy == "gather":
-        out = _gather_attention(q5, k, v, axis, cp, balanced)
+    total = length if whole else length * cp
+    kind = "whole" if whole else strategy
+    pieces = 1 if whole else 2 * cp if balanced else cp  # what a chunk should not straddle
+    layout = _Layout(kind, total, cp, balanced, axis, _chunk_size(total // pieces, chunk))
+    if kind == "ring":
+        out = _ring_attention(q5, k, v, layout)
     else:
-        out = _ring_attention(q5, k, v, axis, cp, balanced)
+        if kind == "gather":
+            k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+        out = _blocked_attention(q5, k, v, layout)
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def _gather_attention(q, k, v, axis: str, cp: int, balanced: bool) -> jax.Array:
-    """Attention to the keys and values all-gathered over ``axis``."""
-    k_all, v_all = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-    length = k_all.shape[1]
-    rows = context_positions(length, cp, balanced, shard=jax.lax.axis_index(axis))
-    return _masked_attention(q, k_all, v_all, rows, context_positions(length, cp, balanced))
+def _chunk_size(piece: int, target: int) -> int:
+    """The largest length up to ``target`` that divides ``piece`` (a shard's block, or
+    its halves when load balanced: a chunk within one piece is skipped or computed
+    whole)."""
+    return max(c for c in range(1, min(piece, target) + 1) if piece % c == 0)
 
 
-def _masked_attention(q, k, v, rows, cols) -> jax.Array:
-    """Attention of queries at positions ``rows`` to keys at ``cols``, causally masked."""
-    o, _, total = _attend(_empty(q), q, k, v, rows[:, None] >= cols[None, :])
-    return o / total[..., None]
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Which positions a device's queries and keys hold, and the chunks it works in.
+
+    ``kind``: ``"whole"`` (the whole sequence, as laid out, on both sides),
+    ``"gather"`` (this shard's queries, every key), or for one hop of the ring a
+    block of keys from the same shard (``"diagonal"``), an earlier one
+    (``"before"``) or a later one (``"after"``). A hop's mask depends only on
+    which of the three it is, so each is laid out as shards 0 and 1 stand to each
+    other: static positions, and a static list of the chunk pairs it leaves
+    visible. Only ``"gather"``'s query positions are traced (the shard's index)."""
+
+    kind: str
+    total: int  # the whole sequence's length
+    cp: int
+    balanced: bool
+    axis: str
+    size: int  # positions per chunk
+
+    def positions(self):
+        whole = context_positions(self.total, self.cp, self.balanced)
+        if self.kind == "whole":
+            return whole, whole
+        if self.kind == "gather":
+            shard = jax.lax.axis_index(self.axis)
+            return context_positions(self.total, self.cp, self.balanced, shard=shard), whole
+        q_shard, k_shard = {"diagonal": (0, 0), "before": (1, 0), "after": (0, 1)}[self.kind]
+        return tuple(
+            context_positions(self.total, self.cp, self.balanced, shard=s)
+            for s in (q_shard, k_shard)
+        )
+
+    def pairs(self, rows, cols) -> np.ndarray:
+        """``[n, 2]`` (query chunk, key chunk) pairs to compute: those where some query
+        sees some key (all of them where the positions are traced)."""
+        size = self.size
+        nq, nk = len(rows) // size, len(cols) // size
+        if not isinstance(rows, np.ndarray):
+            return np.argwhere(np.ones((nq, nk), bool)).astype(np.int32)
+        first_key = cols.reshape(nk, size).min(1)
+        last_query = rows.reshape(nq, size).max(1)
+        return np.argwhere(last_query[:, None] >= first_key[None, :]).astype(np.int32)
+
+
+def _blocks(layout: _Layout):
+    """``(pairs, chunk(x, c, axis), mask(i, j), visible(i, j))`` of ``layout``:
+    chunk ``c`` of an array's sequence, the causal mask of query chunk ``i`` and key
+    chunk ``j``, and whether to compute it (a run-time test where traced)."""
+    rows, cols = layout.positions()
+    pairs, size = layout.pairs(rows, cols), layout.size
+    traced = not isinstance(rows, np.ndarray)
+    rows, cols = jnp.asarray(rows), jnp.asarray(cols)
+
+    def chunk(x, c, axis=1):
+        return jax.lax.dynamic_slice_in_dim(x, c * size, size, axis)
+
+    def mask(i, j):
+        return chunk(rows, i, 0)[:, None] >= chunk(cols, j, 0)[None, :]
+
+    def visible(i, j):
+        return chunk(rows, i, 0).max() >= chunk(cols, j, 0).min() if traced else None
+
+    return pairs, chunk, mask, visible
+
+
+def _add_chunk(x, c, size, value):
+    start = c * size
+    old = jax.lax.dynamic_slice_in_dim(x, start, size, 1)
+    return jax.lax.dynamic_update_slice_in_dim(x, old + value, start, 1)
+
+
+def _fold(acc, q, k, v, layout: _Layout):
+    """``acc`` (`_empty`'s ``(o, m, l)``) with ``q``'s attention to ``k``, ``v`` folded
+    in, one visible pair of chunks at a time (a ``[B, c, K, G, c]`` block of scores)."""
+    pairs, chunk, mask, visible = _blocks(layout)
+    if not len(pairs):
+        return acc
+
+    def body(acc, pair):
+        i, j = pair[0], pair[1]
+        args = [tuple(chunk(x, i) for x in acc), chunk(q, i), chunk(k, j), chunk(v, j), mask(i, j)]
+        test = visible(i, j)
+        if test is None:
+            new = _attend(*args)
+        else:
+            axes = _varying(*args[0], *args[1:])
+            new = jax.lax.cond(
+                test, lambda: _attend(*args), lambda: tuple(vary(x, axes) for x in args[0])
+            )
+        start = i * layout.size
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, y, start, 1) for x, y in zip(acc, new)
+        ), None
+
+    return jax.lax.scan(body, acc, jnp.asarray(pairs))[0]
+
+
+def _grads(q, d_out, lse, delta, k, v, layout: _Layout):
+    """Flash attention's backward over ``layout``'s visible chunk pairs: float32
+    gradients of ``q``, ``k`` and ``v``."""
+    pairs, chunk, mask, visible = _blocks(layout)
+    axes = _varying(q, d_out, lse, k, v)
+    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k, v))
+    if not len(pairs):
+        return zeros
+
+    def body(grads, pair):
+        i, j = pair[0], pair[1]
+        args = [chunk(x, i) for x in (q, d_out, lse, delta)] + [chunk(k, j), chunk(v, j)]
+        args.append(mask(i, j))
+        test = visible(i, j)
+        if test is None:
+            gq, gk, gv = _block_grads(*args)
+        else:
+            hidden = tuple(
+                vary(jnp.zeros(x.shape, _F32), _varying(*args)) for x in args[:1] + args[4:6]
+            )
+            gq, gk, gv = jax.lax.cond(test, lambda: _block_grads(*args), lambda: hidden)
+        dq, dk, dv = grads
+        size = layout.size
+        return (_add_chunk(dq, i, size, gq), _add_chunk(dk, j, size, gk),
+                _add_chunk(dv, j, size, gv)), None  # fmt: skip
+
+    return jax.lax.scan(body, zeros, jnp.asarray(pairs))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked_attention(q, k, v, layout: _Layout) -> jax.Array:
+    """``q [B, Tq, K, G, D]``'s attention to ``k``, ``v`` (float32 output), chunk by
+    chunk, with flash attention's backward: no ``[Tq, Tk]`` scores in either."""
+    return _blocked_forward(q, k, v, layout)[0]
+
+
+def _blocked_forward(q, k, v, layout):
+    o, m, total = _fold(_empty(q, k, v), q, k, v, layout)
+    out = o / total[..., None]
+    return out, (q, k, v, out, m + jnp.log(total))
+
+
+def _blocked_backward(layout, saved, d_out):
+    q, k, v, out, lse = saved
+    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
+    grads = _grads(q, d_out, lse, delta, k, v, layout)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+_blocked_attention.defvjp(_blocked_forward, _blocked_backward)
 
 
 # Online softmax over blocks of keys: ``(o, m, l)`` per query row, the weighted sum
 # of values, the running maximum score and the sum of ``exp(score - m)``.
 
 
-def _empty(q):
-    shape = q.shape[:-1]
-    axes = tuple(sorted(jax.typeof(q).manual_axis_type.varying))
-    zeros = vary(jnp.zeros(shape, _F32), axes)
+def _empty(q, *others):
+    axes = _varying(q, *others)
+    zeros = vary(jnp.zeros(q.shape[:-1], _F32), axes)
     return vary(jnp.zeros(q.shape, _F32), axes), zeros - jnp.inf, zeros
+
+
+def _varying(*xs) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))))
 
 
 def _scores(q, k, mask):
     """``q k^T / sqrt(D)`` in float32 ``[B, Tq, K, G, Tk]``, -inf where ``mask`` hides."""
     scores = jnp.einsum("bqkgd,bskd->bqkgs", q, k, preferred_element_type=_F32)
     scores = scores * (1 / math.sqrt(q.shape[-1]))
-    if mask is None:
-        return scores
-    return jnp.where(jnp.asarray(mask)[None, :, None, None, :], scores, -jnp.inf)
+    return jnp.where(mask[None, :, None, None, :], scores, -jnp.inf)
 
 
 def _attend(acc, q, k, v, mask):
@@ -345,48 +506,33 @@ def _attend(acc, q, k, v, mask):
     return o * fade[..., None] + pv, m_new, total * fade + p.sum(-1)
 
 
+def _block_grads(q, d_out, lse, delta, k, v, mask):
+    """Flash attention's backward for one block: the gradients of ``q``, ``k`` and ``v``."""
+    p = jnp.exp(_scores(q, k, mask) - lse[..., None])  # the probabilities, 0 where hidden
+    scale = 1 / math.sqrt(q.shape[-1])
+    d_v = jnp.einsum("bqkgs,bqkgd->bskd", p, d_out, preferred_element_type=_F32)
+    d_p = jnp.einsum("bqkgd,bskd->bqkgs", d_out, v, preferred_element_type=_F32)
+    d_s = p * (d_p - delta[..., None]) * scale
+    d_q = jnp.einsum("bqkgs,bskd->bqkgd", d_s, k, preferred_element_type=_F32)
+    d_k = jnp.einsum("bqkgs,bqkgd->bskd", d_s, q, preferred_element_type=_F32)
+    return d_q, d_k, d_v
+
+
 # ------------------------------------------------------------ the ring
 
 
-def _tasks(case: str, length: int, balanced: bool) -> list:
-    """The (query rows, key rows, mask) blocks that a block of keys from the same shard
-    (``"diagonal"``), an earlier one (``"before"``) or a later one (``"after"``)
-    leaves visible; a mask of None shows the whole block, a missing block none of it."""
-    whole = slice(None)
-    if not balanced:
-        tasks = {
-            "diagonal": [(whole, whole, np.tri(length, dtype=bool))],
-            "before": [(whole, whole, None)],
-            "after": [],
-        }
-        return tasks[case]
-    # Shard s holds chunks (s, 2CP-1-s); a block from shard j < s holds (j, 2CP-1-j):
-    # every query sees its first chunk and none its second; from j > s, only the
-    # queries of the second chunk see it, all of it.
-    half = length // 2
-    first, second = slice(0, half), slice(half, None)
-    tri = np.tri(half, dtype=bool)
-    tasks = {
-        "diagonal": [
-            (first, first, tri),
-            (second, whole, np.concatenate([np.ones_like(tri), tri], axis=1)),
-        ],
-        "before": [(whole, first, None)],
-        "after": [(second, whole, None)],
-    }
-    return tasks[case]
+def _by_case(fn, t, s, layout: _Layout):
+    """``fn(layout of the hop)`` for hop ``t`` (the keys of shard ``s - t``): the
+    diagonal's at ``t = 0`` (a Python int), else by whether that shard comes before
+    ``s``."""
 
+    def hop(kind):
+        return lambda: fn(dataclasses.replace(layout, kind=kind))
 
-def _by_case(fn, t, s, length: int, balanced: bool):
-    """``fn(tasks)`` for hop ``t`` (the keys of shard ``s - t``): the diagonal's at
-    ``t = 0`` (a Python int), else by whether that shard comes before ``s``."""
     if isinstance(t, int) and t == 0:
-        return fn(_tasks("diagonal", length, balanced))
-    return jax.lax.cond(
-        t <= s,  # 1 <= t < CP: shard s - t comes before s unless it wrapped round
-        lambda: fn(_tasks("before", length, balanced)),
-        lambda: fn(_tasks("after", length, balanced)),
-    )
+        return hop("diagonal")()
+    # 1 <= t < CP: shard s - t comes before s unless it wrapped round.
+    return jax.lax.cond(t <= s, hop("before"), hop("after"))
 
 
 def _send(tree, axis: str, cp: int):
@@ -411,88 +557,44 @@ def _ring_loop(step, carry, kv, axis: str, cp: int):
     return step(carry, ahead, jnp.asarray(cp - 1))
 
 
-def _sliced(x, rows):
-    return x if rows == slice(None) else x[:, rows]
-
-
-def _put(x, rows, value, *, add: bool = False):
-    if rows == slice(None):
-        return x + value if add else value
-    return x.at[:, rows].add(value) if add else x.at[:, rows].set(value)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring_attention(q, k, v, axis: str, cp: int, balanced: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring_attention(q, k, v, layout: _Layout) -> jax.Array:
     """Ring attention of this shard's ``q [B, T, K, G, D]`` (float32 output)."""
-    return _ring_forward(q, k, v, axis, cp, balanced)[0]
+    return _ring_forward(q, k, v, layout)[0]
 
 
-def _ring_forward(q, k, v, axis, cp, balanced):
-    s = jax.lax.axis_index(axis)
-    length = k.shape[1]
+def _ring_forward(q, k, v, layout):
+    s = jax.lax.axis_index(layout.axis)
 
     def step(acc, kv, t):
-        def fold(tasks):
-            out = acc
-            for rows, cols, mask in tasks:
-                part = tuple(_sliced(x, rows) for x in out)
-                part = _attend(part, _sliced(q, rows), *(_sliced(x, cols) for x in kv), mask)
-                out = tuple(_put(x, rows, y) for x, y in zip(out, part))
-            return out
+        return _by_case(lambda hop: _fold(acc, q, *kv, hop), t, s, layout)
 
-        return _by_case(fold, t, s, length, balanced)
-
-    o, m, total = _ring_loop(step, _empty(q), (k, v), axis, cp)
+    o, m, total = _ring_loop(step, _empty(q, k, v), (k, v), layout.axis, layout.cp)
     out = o / total[..., None]
     lse = m + jnp.log(total)
     return out, (q, k, v, out, lse)
 
 
-def _ring_backward(axis, cp, balanced, saved, d_out):
+def _ring_backward(layout, saved, d_out):
     """The gradients: the key/value blocks go round again, each with the gradient its
     keys and values gathered so far, which a last hop takes home."""
     q, k, v, out, lse = saved
+    axis, cp = layout.axis, layout.cp
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
-    rows_of = (q, d_out, lse, delta)
     s = jax.lax.axis_index(axis)
-    length = k.shape[1]
 
     def step(carry, kv, t):
         d_q, d_kv = carry
         if not (isinstance(t, int) and t == 0):
             d_kv = _send(d_kv, axis, cp)  # with the block that arrived for this hop
+        gq, gk, gv = _by_case(lambda hop: _grads(q, d_out, lse, delta, *kv, hop), t, s, layout)
+        return d_q + gq, (d_kv[0] + gk, d_kv[1] + gv)
 
-        def fold(tasks):
-            dq, (dk, dv) = d_q, d_kv
-            for rows, cols, mask in tasks:
-                args = [_sliced(x, rows) for x in rows_of] + [_sliced(x, cols) for x in kv]
-                gq, gk, gv = _block_grads(*args, mask)
-                dq = _put(dq, rows, gq, add=True)
-                dk, dv = _put(dk, cols, gk, add=True), _put(dv, cols, gv, add=True)
-            return dq, (dk, dv)
-
-        return _by_case(fold, t, s, length, balanced)
-
-    zeros = tuple(_zeros_like(x) for x in (q, k, v))
+    axes = _varying(q, d_out, lse, k, v)
+    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k, v))
     d_q, d_kv = _ring_loop(step, (zeros[0], zeros[1:]), (k, v), axis, cp)
     d_k, d_v = _send(d_kv, axis, cp)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
-
-
-def _block_grads(q, d_out, lse, delta, k, v, mask):
-    """Flash attention's backward for one block: the gradients of ``q``, ``k`` and ``v``."""
-    p = jnp.exp(_scores(q, k, mask) - lse[..., None])  # the probabilities, 0 where hidden
-    scale = 1 / math.sqrt(q.shape[-1])
-    d_v = jnp.einsum("bqkgs,bqkgd->bskd", p, d_out, preferred_element_type=_F32)
-    d_p = jnp.einsum("bqkgd,bskd->bqkgs", d_out, v, preferred_element_type=_F32)
-    d_s = p * (d_p - delta[..., None]) * scale
-    d_q = jnp.einsum("bqkgs,bskd->bqkgd", d_s, k, preferred_element_type=_F32)
-    d_k = jnp.einsum("bqkgs,bqkgd->bskd", d_s, q, preferred_element_type=_F32)
-    return d_q, d_k, d_v
-
-
-def _zeros_like(x):
-    return vary(jnp.zeros(x.shape, _F32), tuple(sorted(jax.typeof(x).manual_axis_type.varying)))
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)

@@ -88,6 +88,52 @@ def test_the_global_view_equals_one_device(cp, strategy, balanced):
         _check(attend, cp, balanced, place=lambda x: jax.device_put(x, P("data", "context")))
 
 
+@pytest.mark.parametrize("strategy", cpl.STRATEGIES)
+@pytest.mark.parametrize("balanced", [False, True])
+def test_chunks_smaller_than_a_block_equal_one_device(strategy, balanced):
+    # 16 positions over context=2: blocks of 8, chunks of 2 (4 x 4 pairs per block).
+    def attend(q, k, v):
+        return cpl.context_attention(q, k, v, strategy=strategy, load_balanced=balanced, chunk=2)
+
+    with jax.set_mesh(_mesh(2)):
+        _check(attend, 2, balanced, place=lambda x: jax.device_put(x, P("data", "context")))
+
+
+def test_a_whole_sequence_on_every_shard_is_chunked_too():
+    # run's shape without a tensor axis: context manual, the inputs the same on each.
+    def attend(q, k, v):
+        return jax.shard_map(
+            lambda q, k, v: cpl.context_attention(q, k, v, strategy="ring", chunk=4),
+            in_specs=(P("data"),) * 3, out_specs=P("data"), check_vma=True,
+        )(q, k, v)  # fmt: skip
+
+    with jax.set_mesh(_mesh(2)):
+        _check(attend, 2, False)
+
+
+def _temporaries(strategy, chunk, length=4096):
+    """Bytes of temporaries in the compiled gradient of one sequence over context=8."""
+    mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+    q = jax.ShapeDtypeStruct(
+        (1, length, 2, 8), jnp.float32, sharding=NamedSharding(mesh, P(None, "context"))
+    )
+
+    def loss(q):
+        return jnp.sum(cpl.context_attention(q, q, q, strategy=strategy, chunk=chunk) ** 2)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.grad(loss)).lower(q).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("strategy", cpl.STRATEGIES)
+def test_a_device_holds_one_chunk_of_scores_not_a_block(strategy):
+    # Blocks of 512 positions: 512 x 512 x 2 heads of float32 scores is 2 MiB each;
+    # chunks of 64 hold 32 KiB each, and nothing else the program keeps grows with T^2.
+    whole, chunked = _temporaries(strategy, 512), _temporaries(strategy, 64)
+    assert whole > 2 * 2**20, whole
+    assert chunked < whole / 4, (chunked, whole)
+
+
 @pytest.mark.parametrize(
     "cp, strategy, balanced",
     [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 2 else []) for case in CASES],
