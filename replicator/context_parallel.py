@@ -27,7 +27,7 @@ Either way a device works through its queries and the keys it holds in chunks
 recomputes the probabilities from the saved log-sum-exp). Under ``"ring"`` the
 pairs of chunks the causal mask hides entirely are known from the hop and are
 not computed at all; under ``"gather"``, whose queries' positions depend on the
-shard, they are skipped at run time (``lax.cond``).
+shard, they are computed and masked.
 
 With a causal mask a plain split is uneven: the device holding the end of the
 sequence attends to all of it, the first only to its own block. `load_balance`
@@ -302,38 +302,47 @@ def _local_attention(q, k, v, *, strategy, balanced, axis, chunk, whole=False) -
     cp = context_size(axis)
     q, k, v = (vary(x, _varying(q, k, v)) for x in (q, k, v))
     batch, length, heads, head_dim = q.shape
+    if whole and balanced:  # attend in the original order, where chunks are contiguous
+        q, k, v = (restore_order(x, cp) for x in (q, k, v))
     q5 = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # B,T,K,G,D
     total = length if whole else length * cp
     kind = "whole" if whole else strategy
-    pieces = 1 if whole else 2 * cp if balanced else cp  # what a chunk should not straddle
-    layout = _Layout(kind, total, cp, balanced, axis, _chunk_size(total // pieces, chunk))
+    pieces = 1 if whole else 2 * cp if balanced else cp
+    layout = _Layout(kind, total, cp, balanced and not whole, axis,
+                     _chunk_size(total // pieces, chunk))  # fmt: skip
     if kind == "ring":
         out = _ring_attention(q5, k, v, layout)
+    elif kind == "gather":
+        k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+        out = _gathered_attention(q5, k, v, layout)
     else:
-        if kind == "gather":
-            k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
         out = _blocked_attention(q5, k, v, layout)
-    return out.reshape(q.shape).astype(q.dtype)
+    out = out.reshape(q.shape).astype(q.dtype)
+    return load_balance(out, cp) if whole and balanced else out
 
 
 def _chunk_size(piece: int, target: int) -> int:
-    """The largest length up to ``target`` that divides ``piece`` (a shard's block, or
-    its halves when load balanced: a chunk within one piece is skipped or computed
-    whole)."""
+    """The largest length up to ``target`` that divides ``piece``: a shard's block, or
+    its halves when load balanced, whose positions are consecutive. So are a chunk's,
+    and a pair of chunks is all visible, all hidden, or split by the diagonal."""
     return max(c for c in range(1, min(piece, target) + 1) if piece % c == 0)
+
+
+# How a pair of chunks (queries starting at position a, keys at b) is computed.
+_HIDDEN, _DIAGONAL, _VISIBLE = 0, 1, 2  # a < b, a == b (causal within), a > b
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Which positions a device's queries and keys hold, and the chunks it works in.
 
-    ``kind``: ``"whole"`` (the whole sequence, as laid out, on both sides),
+    ``kind``: ``"whole"`` (the whole sequence in order on both sides),
     ``"gather"`` (this shard's queries, every key), or for one hop of the ring a
     block of keys from the same shard (``"diagonal"``), an earlier one
     (``"before"``) or a later one (``"after"``). A hop's mask depends only on
     which of the three it is, so each is laid out as shards 0 and 1 stand to each
-    other: static positions, and a static list of the chunk pairs it leaves
-    visible. Only ``"gather"``'s query positions are traced (the shard's index)."""
+    other: static positions, and static lists of the pairs of chunks to compute.
+    Only ``"gather"``'s query positions are traced (the shard's index)."""
 
     kind: str
     total: int  # the whole sequence's length
@@ -342,111 +351,81 @@ class _Layout:
     axis: str
     size: int  # positions per chunk
 
-    def positions(self):
-        whole = context_positions(self.total, self.cp, self.balanced)
+    def starts(self):
+        """The first position of each chunk of the queries and of the keys."""
         if self.kind == "whole":
-            return whole, whole
-        if self.kind == "gather":
-            shard = jax.lax.axis_index(self.axis)
-            return context_positions(self.total, self.cp, self.balanced, shard=shard), whole
-        q_shard, k_shard = {"diagonal": (0, 0), "before": (1, 0), "after": (0, 1)}[self.kind]
-        return tuple(
-            context_positions(self.total, self.cp, self.balanced, shard=s)
-            for s in (q_shard, k_shard)
-        )
+            rows = cols = np.arange(self.total, dtype=np.int32)
+        else:
+            q_shard, k_shard = {"diagonal": (0, 0), "before": (1, 0), "after": (0, 1)}[self.kind]
+            rows, cols = (
+                context_positions(self.total, self.cp, self.balanced, shard=s)
+                for s in (q_shard, k_shard)
+            )
+        return rows[:: self.size], cols[:: self.size]
 
-    def pairs(self, rows, cols) -> np.ndarray:
-        """``[n, 2]`` (query chunk, key chunk) pairs to compute: those where some query
-        sees some key (all of them where the positions are traced)."""
-        size = self.size
-        nq, nk = len(rows) // size, len(cols) // size
-        if not isinstance(rows, np.ndarray):
-            return np.argwhere(np.ones((nq, nk), bool)).astype(np.int32)
-        first_key = cols.reshape(nk, size).min(1)
-        last_query = rows.reshape(nq, size).max(1)
-        return np.argwhere(last_query[:, None] >= first_key[None, :]).astype(np.int32)
+    def groups(self) -> list[tuple[np.ndarray, int]]:
+        """``(pairs [n, 2] of (query chunk, key chunk), how)``: the pairs computed
+        alike, ``_VISIBLE`` or ``_DIAGONAL`` (the hidden ones are left out)."""
+        rows, cols = self.starts()
+        how = (rows[:, None] >= cols[None, :]).astype(int) + (rows[:, None] > cols[None, :])
+        return [(np.argwhere(how == h).astype(np.int32), h) for h in (_VISIBLE, _DIAGONAL)]
 
 
-def _blocks(layout: _Layout):
-    """``(pairs, chunk(x, c, axis), mask(i, j), visible(i, j))`` of ``layout``:
-    chunk ``c`` of an array's sequence, the causal mask of query chunk ``i`` and key
-    chunk ``j``, and whether to compute it (a run-time test where traced)."""
-    rows, cols = layout.positions()
-    pairs, size = layout.pairs(rows, cols), layout.size
-    traced = not isinstance(rows, np.ndarray)
-    rows, cols = jnp.asarray(rows), jnp.asarray(cols)
-
-    def chunk(x, c, axis=1):
-        return jax.lax.dynamic_slice_in_dim(x, c * size, size, axis)
-
-    def mask(i, j):
-        return chunk(rows, i, 0)[:, None] >= chunk(cols, j, 0)[None, :]
-
-    def visible(i, j):
-        return chunk(rows, i, 0).max() >= chunk(cols, j, 0).min() if traced else None
-
-    return pairs, chunk, mask, visible
+def _pair_loop(layout: _Layout, compute, carry):
+    """``carry`` through ``compute(carry, i, j, mask)`` for every pair of chunks (query
+    chunk ``i``, key chunk ``j``) that ``layout`` leaves visible, ``mask`` being None
+    (all visible) or the causal triangle. One ``lax.scan`` per group of pairs."""
+    tri = np.tri(layout.size, dtype=bool)
+    for pairs, how in layout.groups():
+        if len(pairs):
+            mask = None if how == _VISIBLE else tri
+            step = functools.partial(
+                lambda c, pair, mask: (compute(c, *pair, mask), None), mask=mask
+            )
+            carry = jax.lax.scan(step, carry, jnp.asarray(pairs))[0]
+    return carry
 
 
-def _add_chunk(x, c, size, value):
-    start = c * size
-    old = jax.lax.dynamic_slice_in_dim(x, start, size, 1)
-    return jax.lax.dynamic_update_slice_in_dim(x, old + value, start, 1)
+def _chunk(x, c, size):
+    """Chunk ``c`` (traced) of ``x``'s sequence (axis 1)."""
+    return jax.lax.dynamic_slice_in_dim(x, c * size, size, 1)
+
+
+def _put_chunk(x, c, size, value):
+    return jax.lax.dynamic_update_slice_in_dim(x, value, c * size, 1)
 
 
 def _fold(acc, q, k, v, layout: _Layout):
     """``acc`` (`_empty`'s ``(o, m, l)``) with ``q``'s attention to ``k``, ``v`` folded
-    in, one visible pair of chunks at a time (a ``[B, c, K, G, c]`` block of scores)."""
-    pairs, chunk, mask, visible = _blocks(layout)
-    if not len(pairs):
-        return acc
+    in, one pair of chunks at a time (a ``[B, c, K, G, c]`` block of scores)."""
+    size = layout.size
+    axes = _varying(*acc, q, k, v)
 
-    def body(acc, pair):
-        i, j = pair[0], pair[1]
-        args = [tuple(chunk(x, i) for x in acc), chunk(q, i), chunk(k, j), chunk(v, j), mask(i, j)]
-        test = visible(i, j)
-        if test is None:
-            new = _attend(*args)
-        else:
-            axes = _varying(*args[0], *args[1:])
-            new = jax.lax.cond(
-                test, lambda: _attend(*args), lambda: tuple(vary(x, axes) for x in args[0])
-            )
-        start = i * layout.size
-        return tuple(
-            jax.lax.dynamic_update_slice_in_dim(x, y, start, 1) for x, y in zip(acc, new)
-        ), None
+    def compute(acc, i, j, mask):
+        part = tuple(_chunk(x, i, size) for x in acc)
+        new = _attend(part, _chunk(q, i, size), _chunk(k, j, size), _chunk(v, j, size), mask)
+        return tuple(_put_chunk(x, i, size, vary(y, axes)) for x, y in zip(acc, new))
 
-    return jax.lax.scan(body, acc, jnp.asarray(pairs))[0]
+    acc = tuple(vary(x, axes) for x in acc)
+    return _pair_loop(layout, compute, acc)
 
 
 def _grads(q, d_out, lse, delta, k, v, layout: _Layout):
-    """Flash attention's backward over ``layout``'s visible chunk pairs: float32
+    """Flash attention's backward over ``layout``'s visible pairs of chunks: float32
     gradients of ``q``, ``k`` and ``v``."""
-    pairs, chunk, mask, visible = _blocks(layout)
+    size = layout.size
     axes = _varying(q, d_out, lse, k, v)
+
+    def compute(grads, i, j, mask):
+        rows = [_chunk(x, i, size) for x in (q, d_out, lse, delta)]
+        parts = _block_grads(*rows, _chunk(k, j, size), _chunk(v, j, size), mask)
+        return tuple(
+            _put_chunk(g, c, size, _chunk(g, c, size) + vary(p, axes))
+            for g, c, p in zip(grads, (i, j, j), parts)
+        )
+
     zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k, v))
-    if not len(pairs):
-        return zeros
-
-    def body(grads, pair):
-        i, j = pair[0], pair[1]
-        args = [chunk(x, i) for x in (q, d_out, lse, delta)] + [chunk(k, j), chunk(v, j)]
-        args.append(mask(i, j))
-        test = visible(i, j)
-        if test is None:
-            gq, gk, gv = _block_grads(*args)
-        else:
-            hidden = tuple(
-                vary(jnp.zeros(x.shape, _F32), _varying(*args)) for x in args[:1] + args[4:6]
-            )
-            gq, gk, gv = jax.lax.cond(test, lambda: _block_grads(*args), lambda: hidden)
-        dq, dk, dv = grads
-        size = layout.size
-        return (_add_chunk(dq, i, size, gq), _add_chunk(dk, j, size, gk),
-                _add_chunk(dv, j, size, gv)), None  # fmt: skip
-
-    return jax.lax.scan(body, zeros, jnp.asarray(pairs))[0]
+    return _pair_loop(layout, compute, zeros)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -472,6 +451,57 @@ def _blocked_backward(layout, saved, d_out):
 _blocked_attention.defvjp(_blocked_forward, _blocked_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gathered_attention(q, k_all, v_all, layout: _Layout) -> jax.Array:
+    """This shard's ``q [B, T/CP, K, G, D]`` attending to the gathered ``k_all``,
+    ``v_all`` (float32 output): shard by shard of the keys, each laid out as a ring
+    hop's (`_by_source`), so that only visible pairs of chunks are computed."""
+    return _gathered_forward(q, k_all, v_all, layout)[0]
+
+
+def _source_blocks(fn, carry, k_all, v_all, layout: _Layout):
+    """``carry = fn(carry, j, k_j, v_j, hop)`` over the key shards ``j = s - t`` for
+    ``t = 0 .. CP - 1``, as the ring meets them (`_by_case`)."""
+    s, length = jax.lax.axis_index(layout.axis), k_all.shape[1] // layout.cp
+
+    def step(carry, t):
+        j = (s - t) % layout.cp
+        k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, j * length, length, 1) for x in (k_all, v_all))
+        return _by_case(lambda hop: fn(carry, j, k_j, v_j, hop), t, s, layout)
+
+    carry = step(carry, 0)
+    return jax.lax.scan(lambda c, t: (step(c, t), None), carry, jnp.arange(1, layout.cp))[0]
+
+
+def _gathered_forward(q, k_all, v_all, layout):
+    def fold(acc, j, k_j, v_j, hop):
+        return _fold(acc, q, k_j, v_j, hop)
+
+    o, m, total = _source_blocks(fold, _empty(q, k_all, v_all), k_all, v_all, layout)
+    out = o / total[..., None]
+    return out, (q, k_all, v_all, out, m + jnp.log(total))
+
+
+def _gathered_backward(layout, saved, d_out):
+    q, k_all, v_all, out, lse = saved
+    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
+    length = k_all.shape[1] // layout.cp
+
+    def pull(grads, j, k_j, v_j, hop):
+        gq, gk, gv = _grads(q, d_out, lse, delta, k_j, v_j, hop)
+        d_q, d_k, d_v = grads
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=j * length, axis=1)
+        return d_q + gq, put(d_k, gk), put(d_v, gv)
+
+    axes = _varying(q, d_out, lse, k_all, v_all)
+    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k_all, v_all))
+    grads = _source_blocks(pull, zeros, k_all, v_all, layout)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k_all, v_all)))
+
+
+_gathered_attention.defvjp(_gathered_forward, _gathered_backward)
+
+
 # Online softmax over blocks of keys: ``(o, m, l)`` per query row, the weighted sum
 # of values, the running maximum score and the sum of ``exp(score - m)``.
 
@@ -487,10 +517,13 @@ def _varying(*xs) -> tuple[str, ...]:
 
 
 def _scores(q, k, mask):
-    """``q k^T / sqrt(D)`` in float32 ``[B, Tq, K, G, Tk]``, -inf where ``mask`` hides."""
+    """``q k^T / sqrt(D)`` in float32 ``[B, Tq, K, G, Tk]``, -inf where ``mask`` (None:
+    nothing) hides."""
     scores = jnp.einsum("bqkgd,bskd->bqkgs", q, k, preferred_element_type=_F32)
     scores = scores * (1 / math.sqrt(q.shape[-1]))
-    return jnp.where(mask[None, :, None, None, :], scores, -jnp.inf)
+    if mask is None:
+        return scores
+    return jnp.where(jnp.asarray(mask)[None, :, None, None, :], scores, -jnp.inf)
 
 
 def _attend(acc, q, k, v, mask):

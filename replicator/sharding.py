@@ -20,9 +20,10 @@ logical axis starts with ``activation_`` are for the model's activations
 (``nn.with_logical_constraint``), so matching no parameter is expected of them.
 
 Rules are tried in order and the first that applies wins. On top of the rules,
-the ``fsdp`` axis always means "split the parameters over these replicas": a
-parameter of at least ``min_size`` elements that no rule split over ``fsdp``
-gets its largest dimension divisible by the ``fsdp`` size split over it
+the ``fsdp`` axis always means "split the parameters over these replicas", and
+so does ``context`` (its devices split a sequence, and hold the weights as FSDP's
+do): a parameter of at least ``min_size`` elements that no rule split over
+either gets its largest dimension divisible by their product split over both
 (ZeRO/FSDP). ``min_size`` is the threshold of this automatic FSDP, as in
 big_vision: rules given explicitly apply whatever the size, while with the
 default rules parameters below ``min_size`` stay replicated (gathering them
@@ -64,13 +65,14 @@ PyTree = Any
 Rule = tuple[str, Any]
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("layers", "stage"),
     ("exp", "expert"),
 )
-"""FSDP over the embedding width and Megatron-style tensor parallelism (the MLP's
+"""FSDP over the embedding width (over ``fsdp`` and ``context``: a context device
+holds a slice of the weights as an FSDP one does, MaxText's placement) and Megatron-style tensor parallelism (the MLP's
 hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
 stay whole; a stack of layers splits over ``stage`` when the mesh has one
 (`replicator.pipeline`), a mixture's experts over ``expert`` (`replicator.moe`).
@@ -78,6 +80,8 @@ Activations named with `replicator.activations.constrain` follow
 `replicator.activations.ACTIVATION_RULES` (the batch over ``data`` and ``fsdp``)."""
 
 MIN_SHARD_SIZE = 2**14
+PARAMETER_AXES = ("fsdp", "context")
+"""The mesh axes that split any large parameter no rule split (automatic FSDP)."""
 """Parameters with fewer elements (64 KiB in float32) stay replicated."""
 
 _AUTO_FSDP = "auto fsdp (largest divisible dimension)"
@@ -331,15 +335,16 @@ def _place(path, value, names, logical, rules, mesh, small, by_default, used, pr
     undivided = any(w and not e for w, e in zip(wanted, entries))
     reasons = [why[dim] for dim in range(len(shape)) if entries[dim]]
 
-    fsdp = mesh.shape.get("fsdp", 1)
+    splitting = tuple(a for a in PARAMETER_AXES if mesh.shape.get(a, 1) > 1)
+    parts = math.prod(mesh.shape[a] for a in splitting)
     if small:
         if not any(entries):
             reasons.append(_SMALL)
-    elif fsdp > 1 and not any("fsdp" in e for e in entries):
-        free = [d for d in range(len(shape)) if not entries[d] and shape[d] % fsdp == 0]
+    elif splitting and not any(a in e for e in entries for a in splitting):
+        free = [d for d in range(len(shape)) if not entries[d] and shape[d] % parts == 0]
         if free:
             dim = max(free, key=lambda d: (shape[d], -d))
-            entries[dim] = ("fsdp",)
+            entries[dim] = splitting
             reasons.append(_AUTO_FSDP)
     if not any(entries) and _is_sharded(mesh) and not undivided and not small:
         problems.add(
@@ -390,7 +395,7 @@ def _spec(entries: list[tuple[str, ...]]) -> P:
 
 
 def _is_sharded(mesh: Mesh) -> bool:
-    return mesh.shape.get("fsdp", 1) > 1 or mesh.shape.get("tensor", 1) > 1
+    return any(mesh.shape.get(a, 1) > 1 for a in (*PARAMETER_AXES, "tensor"))
 
 
 def _check_unused(rules, used, placements, nodes, problems) -> None:

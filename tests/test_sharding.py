@@ -153,6 +153,25 @@ def test_lm_params_get_fsdp_by_default():
     assert cube["params/blocks/mlp/proj/kernel"] == P(None, "tensor", "fsdp")
 
 
+def test_context_devices_hold_the_weights_as_fsdp_ones_do():
+    # MaxText's placement: a context device splits the sequence and the weights.
+    from experiments.lm.model import Transformer
+
+    model = Transformer(vocab_size=256, num_layers=1, num_heads=4, embed_dim=128, max_len=128)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    def plan(mesh):
+        return {p.path: p.spec for p in sh.plan_param_shardings(abstract, mesh).placements}
+
+    split = plan(mesh_of(fsdp=2, context=4))
+    assert split["params/blocks/attention/qkv_kernel"] == P(None, ("fsdp", "context"))
+    assert split["params/blocks/mlp/fc/kernel"] == P(None, ("fsdp", "context"))
+    assert plan(mesh_of(context=8))["params/blocks/mlp/fc/kernel"] == P(None, "context")
+    # Unannotated: automatic FSDP splits over both, where the product divides.
+    table = {"table": jnp.zeros((4096, 8)), "odd": jnp.zeros((6, 4096))}
+    got = specs(sh.param_shardings(table, mesh_of(fsdp=2, context=4)))
+    assert got == {"table": P(("fsdp", "context")), "odd": P(None, ("fsdp", "context"))}
+
+
 def test_path_rules_and_automatic_fsdp_shard_unannotated_params():
     params = {
         "dense": {"kernel": jnp.zeros((64, 512)), "bias": jnp.zeros(512)},
