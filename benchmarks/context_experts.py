@@ -61,7 +61,10 @@ K = 1024
 TPU_CASES = (
     ("fsdp=16", {"fsdp": 16}, 16, "gather", 32 * K),
     ("fsdp=16", {"fsdp": 16}, 16, "gather", 64 * K),
+    ("fsdp=2 context=8, gather", {"fsdp": 2, "context": 8}, 2, "gather", 64 * K),
     ("fsdp=2 context=8, ring", {"fsdp": 2, "context": 8}, 2, "ring", 64 * K),
+    ("fsdp=2 context=8, ring", {"fsdp": 2, "context": 8}, 2, "ring", 128 * K),
+    ("fsdp=2 context=8, ring", {"fsdp": 2, "context": 8}, 2, "ring", 256 * K),
 )
 MOE_LEN, MOE_BATCH, EXPERT_MLP = 256, 32, 256
 MOE_MODEL = dict(
@@ -322,8 +325,9 @@ MEMORY_READING = (
     "Reading: at a global batch of 8 sequences on 8 devices every mesh gives each device "
     "8 x T / 8 tokens, so the per-token activations are the same; what changes is "
     "attention's. Without a `context` axis a device holds one sequence's T x T scores per "
-    "head; `gather` holds its T/CP queries against all T keys (the same count); `ring` "
-    "holds one T/CP x T/CP block at a time. A `context` axis earns its keep where the batch "
+    "head (XLA's attention on CPU); with one, `gather` and `ring` hold one 512 x 512 chunk "
+    "of scores at a time (`rp.context_attention`'s `chunk`), `gather` the whole "
+    "sequence's keys and values too. A `context` axis earns its keep where the batch "
     "is smaller than the devices: one sequence over `context=8` is what `data=8` cannot "
     "split at all."
 )
@@ -333,9 +337,10 @@ def _render_tpu(tpu: dict, versions: dict) -> list[str]:
     lines = [
         "",
         f"**The longest sequence that fits a {tpu['topology']} chip** (15.75 GiB of HBM), "
-        "`configs/lm_1b.py` (1.01B parameters, remat `full`, bf16, AdamW state sharded "
-        f"over `fsdp`), train step compiled by libtpu {versions.get('libtpu', '')} from this "
-        "CPU host (nothing ran on a TPU). Per-chip bytes by `replicator.trainer.aot`'s formula "
+        "`configs/lm_1b.py` (1.01B parameters, remat `full`, bf16, parameters and AdamW "
+        "state sharded over `fsdp` and `context`), train step compiled by libtpu "
+        f"{versions.get('libtpu', '')} from this CPU host (nothing ran on a TPU). Per-chip "
+        "bytes by `replicator.trainer.aot`'s formula "
         "(arguments + outputs - donated + temporaries + code). Without `context` the batch "
         "must split over the 16 chips, so 16 sequences is the least; with `context=8` two "
         "sequences fill the slice:",
@@ -375,13 +380,7 @@ def _tpu_reading(rows: list[dict]) -> str:
         r for r in split if r["report"]["fits"] and (longest is None or r["length"] > longest)
     ]
     if not beyond:
-        return (
-            "Reading: no `context` mesh fitted a sequence longer than the plain FSDP mesh "
-            "did here. Two costs: the split blocks' attention is XLA's, with float32 scores "
-            "in HBM, where the unsplit sequence uses splash attention; and with `fsdp=2` the "
-            "parameters and AdamW state are sharded 2 ways, not 16 (6.4 GiB per chip "
-            "instead of 0.75)."
-        )
+        return "Reading: no `context` mesh fitted a sequence longer than the plain FSDP mesh."
     best = max(beyond, key=lambda r: r["length"])
     missed = [r for r in plain if r["length"] == best["length"]]
     text = (
@@ -395,8 +394,12 @@ def _tpu_reading(rows: list[dict]) -> str:
             "for (at its least batch of 16 sequences)"
         )
     return text + (
-        ". The split blocks' attention is XLA's (scores of T/CP x T/CP or T/CP x T in HBM, "
-        "float32) where the unsplit sequence uses splash attention."
+        ". The split sequence's attention is XLA's, flash-style in chunks of 512 (one "
+        "512 x 512 block of float32 scores per head at a time), where the unsplit sequence "
+        "uses splash attention. Before the chunks and before the weights split over "
+        "`context` too (this wave), `fsdp=2 context=8` did not fit 64k: 23.7 GiB per chip, "
+        "of which 6.4 GiB parameters and AdamW state sharded 2 ways, and T/CP x T/CP float32 "
+        "score blocks in HBM."
     )
 
 
