@@ -51,6 +51,13 @@ that whole sequence on each); with no ``context`` axis, or one of size 1, it is
 a model built on it runs, saves and restores the same on any number of context
 shards.
 
+A `Replicator.run` step (every axis manual, no ``tensor`` axis) receives each
+replica's whole sequences on every ``context`` device: `split_sequence` takes this
+device's block, `sequence_positions` names its positions, and `gather_sequence`
+puts a per-token output back together (invariant over ``context``, so a loss made
+from it counts every token once), so that a device holds ``1 / CP`` of the
+activations there too.
+
 Inside a ``shard_map`` manual over other axes (`Replicator.run` with a ``tensor``
 axis: ``data`` manual, ``context`` left to the compiler) its ``shard_map`` is
 nested in that one, which JAX 0.10 cannot differentiate as it is; there the
@@ -197,6 +204,67 @@ def context_size(axis: str = CONTEXT_AXIS) -> int:
     if mesh.empty or axis not in mesh.axis_names:
         return 1
     return mesh.shape[axis]
+
+
+# ------------------------------------------------------------ a per-replica step's sequences
+
+
+def split_sequence(x, axis: str = CONTEXT_AXIS, dim: int = 1):
+    """This device's block of ``x``'s sequence (dimension ``dim``) where ``axis`` is
+    manual and ``x`` is the same on every device along it, as a `Replicator.run`
+    step's whole sequences are; ``x`` itself anywhere else (the global view splits a
+    sequence by sharding, `replicator.activations`).
+
+    A model that splits its input here and calls `gather_sequence` on its per-token
+    output holds only ``1 / CP`` of the sequence's activations per device, and
+    `context_attention` attends across the blocks. Block ``i`` is the ``i``-th of
+    ``CP`` equal ones (in `load_balance`'s order if the sequence was reordered).
+
+    Raises:
+      ValueError: the length does not split into ``CP`` blocks (one line).
+    """
+    cp = context_size(axis)
+    if cp == 1 or not _is_manual(axis) or not _whole_on_every_shard(axis, x):
+        return x
+    _check_length(x.shape[dim], cp, False, "split_sequence")
+    size = x.shape[dim] // cp
+    start = jax.lax.axis_index(axis) * size
+    return jax.lax.dynamic_slice_in_dim(vary(x, (axis,)), start, size, dim)
+
+
+def gather_sequence(x, axis: str = CONTEXT_AXIS, dim: int = 1):
+    """The inverse of `split_sequence`: the whole sequence, the same on every device
+    along ``axis``, where ``x`` is this device's block of it; ``x`` itself elsewhere.
+
+    The result does not vary over ``axis`` (a ``psum`` of each block in its place),
+    so a loss made from it counts every token once: its gradient reaches each block
+    once, not ``CP`` times."""
+    if context_size(axis) == 1 or not _is_manual(axis):
+        return x
+    if axis not in jax.typeof(x).manual_axis_type.varying:
+        return x
+    cp, size = context_size(axis), x.shape[dim]
+    shape = (*x.shape[:dim], size * cp, *x.shape[dim + 1 :])
+    start = jax.lax.axis_index(axis) * size
+    whole = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, start, dim)
+    return jax.lax.psum(whole, axis)
+
+
+def sequence_positions(x, load_balanced: bool = False, axis: str = CONTEXT_AXIS, dim: int = 1):
+    """The original positions (int32 ``[T]``) of ``x``'s sequence elements: this
+    device's block's where `split_sequence` split it, else the whole sequence's as
+    laid out (in `load_balance`'s order when ``load_balanced``).
+
+    >>> sequence_positions(jnp.zeros((1, 4))).tolist()
+    [0, 1, 2, 3]
+    """
+    cp, length = context_size(axis), x.shape[dim]
+    if cp > 1 and _is_manual(axis) and axis in jax.typeof(x).manual_axis_type.varying:
+        shard = jax.lax.axis_index(axis)
+        return context_positions(length * cp, cp, load_balanced, shard=shard)
+    if cp > 1 and load_balanced:
+        return context_positions(length, cp, load_balanced=True)
+    return np.arange(length, dtype=np.int32)
 
 
 # ------------------------------------------------------------ load balancing

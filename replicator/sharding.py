@@ -72,8 +72,9 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ("exp", "expert"),
 )
 """FSDP over the embedding width (over ``fsdp`` and ``context``: a context device
-holds a slice of the weights as an FSDP one does, MaxText's placement) and Megatron-style tensor parallelism (the MLP's
-hidden width and the attention heads split over ``tensor``); ``vocab`` and ``kv``
+holds a slice of the weights as an FSDP one does, MaxText's placement) and
+Megatron-style tensor parallelism (the MLP's hidden width and the attention heads
+split over ``tensor``); ``vocab`` and ``kv``
 stay whole; a stack of layers splits over ``stage`` when the mesh has one
 (`replicator.pipeline`), a mixture's experts over ``expert`` (`replicator.moe`).
 Activations named with `replicator.activations.constrain` follow

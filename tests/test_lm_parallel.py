@@ -117,24 +117,27 @@ def test_a_bad_context_strategy_is_one_config_error():
     ]  # one problem, one line
 
 
-def test_context_on_the_run_path_says_it_saves_no_memory(tmp_path, caplog):
-    """Under ``step_path='run'`` the context devices compute whole sequences alike:
-    training says so, once, and points to ``compile``; ``compile`` says nothing."""
+def test_context_on_the_run_path_says_when_it_saves_no_memory(tmp_path, caplog):
+    """Under ``step_path='run'`` a dense LM splits its sequences over ``context``; a
+    mixture of experts keeps them whole, and training says so once, pointing to
+    ``compile``, which says nothing."""
     from replicator.trainer.setup import setup
     from tests.test_lm import build, load_config
 
     data_dir = str(tmp_path / "tfds")
     build("python_stdlib/modules_128", data_dir)
     said = {}
-    for path in ("run", "compile"):
+    for path, experts in (("run", 4), ("compile", 4), ("run", 0)):
         _, config = load_config("lm_tiny", "smoke")
         config.update(mesh={"context": 2, "data": 4}, step_path=path, data_dir=data_dir)
+        config.model.num_experts = experts
         caplog.clear()
         with caplog.at_level("WARNING", logger="replicator"):
             setup(config).close()
-        said[path] = [r.getMessage() for r in caplog.records if "'context'" in r.getMessage()]
-    assert len(said["run"]) == 1 and "step_path='compile'" in said["run"][0]
-    assert said["compile"] == []
+        messages = [r.getMessage() for r in caplog.records if "'context'" in r.getMessage()]
+        said[path, experts] = messages
+    assert len(said["run", 4]) == 1 and "step_path='compile'" in said["run", 4][0]
+    assert said["compile", 4] == [] and said["run", 0] == []
 
 
 def test_the_classifiers_refuse_a_context_axis():

@@ -159,6 +159,7 @@ def test_context_devices_hold_the_weights_as_fsdp_ones_do():
 
     model = Transformer(vocab_size=256, num_layers=1, num_heads=4, embed_dim=128, max_len=128)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
     def plan(mesh):
         return {p.path: p.spec for p in sh.plan_param_shardings(abstract, mesh).placements}
 

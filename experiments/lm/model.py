@@ -38,8 +38,11 @@ from replicator.context_parallel import (
     context_attention,
     context_positions,
     context_size,
+    gather_sequence,
     load_balance,
     restore_order,
+    sequence_positions,
+    split_sequence,
 )
 from replicator.moe import MoEFeedForward
 from replicator.pipelining import pipeline, stage_count
@@ -128,8 +131,8 @@ class SelfAttention(nn.Module):
         q, k, v = (constrain(qkv_BxTx3xHxD[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
         cp = context_size()
         balanced = self.context_load_balance and cp > 1
-        if self.rotary:
-            positions = context_positions(q.shape[1], cp, True) if balanced else None
+        if self.rotary:  # the original positions, of this device's block where split
+            positions = sequence_positions(q, balanced)
             q, k = apply_rotary(q, positions_T=positions), apply_rotary(k, positions_T=positions)
         # Over a "context" axis the sequence's blocks attend across devices
         # (`replicator.context_parallel`); without one this is `causal_attention`.
@@ -464,11 +467,18 @@ class Transformer(nn.Module):
         # per-token outputs are put back in order at the end.
         cp = context_size()
         balanced = self.context_load_balance and cp > 1
-        positions_T = np.arange(length)
         if balanced:
             tokens_BxT = load_balance(tokens_BxT, cp)
             targets = None if targets is None else load_balance(targets, cp)
-            positions_T = context_positions(length, cp, load_balanced=True)
+        # Under `Replicator.run` (context manual, each replica's whole sequences on
+        # every context device) each device takes its block, and the per-token output
+        # is gathered back at the end; elsewhere these do nothing. A mixture of
+        # experts keeps whole sequences: its capacity is per sequence.
+        split = not self.num_experts
+        if split:
+            tokens_BxT = split_sequence(tokens_BxT)
+            targets = None if targets is None else split_sequence(targets)
+        positions_T = sequence_positions(tokens_BxT, balanced)
         embed = nn.Embed(
             self.vocab_size,
             self.embed_dim,
@@ -495,10 +505,11 @@ class Transformer(nn.Module):
             logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
         if targets is None:
             out = logits_fn(x_BxTxE)
-        elif not self.loss_chunk or self.loss_chunk >= length:
+        elif not self.loss_chunk or self.loss_chunk >= tokens_BxT.shape[1]:
             out = token_nats(logits_fn(x_BxTxE), targets)
         else:
             out = chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
+        out = gather_sequence(out) if split else out
         return restore_order(out, cp) if balanced else out
 
 

@@ -149,10 +149,12 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     )
     if training:
         _check_train_batch(config, repl)
-        if config.step_path == "run" and repl.mesh.shape.get("context", 1) > 1:
+        moe = bool(config.get("model", {}).get("num_experts"))
+        if config.step_path == "run" and repl.mesh.shape.get("context", 1) > 1 and moe:
             log.warning(
-                "step_path='run' with mesh axis 'context': each replica's step sees whole "
-                "sequences, so the context devices compute alike (exact, but no memory "
+                "step_path='run' with mesh axis 'context' and model.num_experts: a mixture "
+                "of experts keeps each replica's whole sequences (its capacity is per "
+                "sequence), so the context devices compute alike (exact, but no memory "
                 "saving); step_path='compile' splits the sequence over them."
             )
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
