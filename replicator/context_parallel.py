@@ -404,13 +404,13 @@ _HIDDEN, _DIAGONAL, _VISIBLE = 0, 1, 2  # a < b, a == b (causal within), a > b
 class _Layout:
     """Which positions a device's queries and keys hold, and the chunks it works in.
 
-    ``kind``: ``"whole"`` (the whole sequence in order on both sides),
-    ``"gather"`` (this shard's queries, every key), or for one hop of the ring a
-    block of keys from the same shard (``"diagonal"``), an earlier one
-    (``"before"``) or a later one (``"after"``). A hop's mask depends only on
-    which of the three it is, so each is laid out as shards 0 and 1 stand to each
-    other: static positions, and static lists of the pairs of chunks to compute.
-    Only ``"gather"``'s query positions are traced (the shard's index)."""
+    ``kind``: ``"whole"`` (the whole sequence in order on both sides), or for the
+    keys of one shard (a ring hop's, or one shard's of the gathered keys) those of
+    the same shard (``"diagonal"``), an earlier one (``"before"``) or a later one
+    (``"after"``). ``"ring"`` and ``"gather"`` name the strategy before a hop's
+    case is known. A case's mask depends only on which of the three it is, so each
+    is laid out as shards 0 and 1 stand to each other: static positions, and static
+    lists of the pairs of chunks to compute."""
 
     kind: str
     total: int  # the whole sequence's length
@@ -442,7 +442,12 @@ class _Layout:
 def _pair_loop(layout: _Layout, compute, carry):
     """``carry`` through ``compute(carry, i, j, mask)`` for every pair of chunks (query
     chunk ``i``, key chunk ``j``) that ``layout`` leaves visible, ``mask`` being None
-    (all visible) or the causal triangle. One ``lax.scan`` per group of pairs."""
+    (all visible) or the causal triangle. One ``lax.scan`` per group of pairs.
+
+    The pairs are static on purpose: a per-pair ``lax.cond`` (or a mask computed
+    per pair from traced positions), inside a custom VJP's forward under a scan of
+    layers, made JAX 0.10 stack every pair's scores or masks as residuals when the
+    model was differentiated (32 GiB for lm_1b's gather at 64k on a v5e-16)."""
     tri = np.tri(layout.size, dtype=bool)
     for pairs, how in layout.groups():
         if len(pairs):
@@ -523,7 +528,7 @@ _blocked_attention.defvjp(_blocked_forward, _blocked_backward)
 def _gathered_attention(q, k_all, v_all, layout: _Layout) -> jax.Array:
     """This shard's ``q [B, T/CP, K, G, D]`` attending to the gathered ``k_all``,
     ``v_all`` (float32 output): shard by shard of the keys, each laid out as a ring
-    hop's (`_by_source`), so that only visible pairs of chunks are computed."""
+    hop's (`_by_case`), so that only visible pairs of chunks are computed."""
     return _gathered_forward(q, k_all, v_all, layout)[0]
 
 
