@@ -77,7 +77,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cp, strategy, balanced", CASES)
+@pytest.mark.parametrize(
+    "cp, strategy, balanced",
+    [pytest.param(*case, marks=[pytest.mark.slow] if case[0] == 2 else []) for case in CASES],
+)  # (CP = 2: the chunked cases below and the LM's tests run it on every make test)
 def test_the_global_view_equals_one_device(cp, strategy, balanced):
     mesh = _mesh(cp)
 
