@@ -26,10 +26,12 @@ BATCH, LENGTH, HEADS, HEAD_DIM = 4, 16, 2, 8
 
 @functools.cache
 def _inputs(batch=BATCH, kv_heads=HEADS):
+    """Host arrays: made under whichever mesh the first test sets, device arrays would
+    keep its sharding into the tests that set another."""
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, LENGTH, HEADS, HEAD_DIM))
     k, v = (jax.random.normal(key, (batch, LENGTH, kv_heads, HEAD_DIM)) for key in keys[1:3])
-    return q, k, v, jax.random.normal(keys[3], q.shape)
+    return tuple(np.asarray(x) for x in (q, k, v, jax.random.normal(keys[3], q.shape)))
 
 
 @functools.cache
