@@ -497,8 +497,7 @@ def _grads(q, d_out, lse, delta, k, v, layout: _Layout):
             for g, c, p in zip(grads, (i, j, j), parts)
         )
 
-    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k, v))
-    return _pair_loop(layout, compute, zeros)
+    return _pair_loop(layout, compute, _zero_grads((q, k, v), d_out, lse))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -509,9 +508,8 @@ def _blocked_attention(q, k, v, layout: _Layout) -> jax.Array:
 
 
 def _blocked_forward(q, k, v, layout):
-    o, m, total = _fold(_empty(q, k, v), q, k, v, layout)
-    out = o / total[..., None]
-    return out, (q, k, v, out, m + jnp.log(total))
+    out, lse = _normalized(_fold(_empty(q, k, v), q, k, v, layout))
+    return out, (q, k, v, out, lse)
 
 
 def _blocked_backward(layout, saved, d_out):
@@ -550,9 +548,8 @@ def _gathered_forward(q, k_all, v_all, layout):
     def fold(acc, j, k_j, v_j, hop):
         return _fold(acc, q, k_j, v_j, hop)
 
-    o, m, total = _source_blocks(fold, _empty(q, k_all, v_all), k_all, v_all, layout)
-    out = o / total[..., None]
-    return out, (q, k_all, v_all, out, m + jnp.log(total))
+    out, lse = _normalized(_source_blocks(fold, _empty(q, k_all, v_all), k_all, v_all, layout))
+    return out, (q, k_all, v_all, out, lse)
 
 
 def _gathered_backward(layout, saved, d_out):
@@ -566,8 +563,7 @@ def _gathered_backward(layout, saved, d_out):
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=j * length, axis=1)
         return d_q + gq, put(d_k, gk), put(d_v, gv)
 
-    axes = _varying(q, d_out, lse, k_all, v_all)
-    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k_all, v_all))
+    zeros = _zero_grads((q, k_all, v_all), d_out, lse)
     grads = _source_blocks(pull, zeros, k_all, v_all, layout)
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k_all, v_all)))
 
@@ -583,6 +579,19 @@ def _empty(q, *others):
     axes = _varying(q, *others)
     zeros = vary(jnp.zeros(q.shape[:-1], _F32), axes)
     return vary(jnp.zeros(q.shape, _F32), axes), zeros - jnp.inf, zeros
+
+
+def _normalized(acc):
+    """A finished online softmax ``(o, m, l)``'s output and log-sum-exp."""
+    o, m, total = acc
+    return o / total[..., None], m + jnp.log(total)
+
+
+def _zero_grads(xs, *others):
+    """Float32 zeros shaped like ``xs``, varying over every axis ``xs`` and ``others``
+    vary over (a gradient accumulator that any block may add to)."""
+    axes = _varying(*xs, *others)
+    return tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in xs)
 
 
 def _varying(*xs) -> tuple[str, ...]:
@@ -675,9 +684,7 @@ def _ring_forward(q, k, v, layout):
     def step(acc, kv, t):
         return _by_case(lambda hop: _fold(acc, q, *kv, hop), t, s, layout)
 
-    o, m, total = _ring_loop(step, _empty(q, k, v), (k, v), layout.axis, layout.cp)
-    out = o / total[..., None]
-    lse = m + jnp.log(total)
+    out, lse = _normalized(_ring_loop(step, _empty(q, k, v), (k, v), layout.axis, layout.cp))
     return out, (q, k, v, out, lse)
 
 
@@ -696,8 +703,7 @@ def _ring_backward(layout, saved, d_out):
         gq, gk, gv = _by_case(lambda hop: _grads(q, d_out, lse, delta, *kv, hop), t, s, layout)
         return d_q + gq, (d_kv[0] + gk, d_kv[1] + gv)
 
-    axes = _varying(q, d_out, lse, k, v)
-    zeros = tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in (q, k, v))
+    zeros = _zero_grads((q, k, v), d_out, lse)
     d_q, d_kv = _ring_loop(step, (zeros[0], zeros[1:]), (k, v), axis, cp)
     d_k, d_v = _send(d_kv, axis, cp)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
