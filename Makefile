@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/digits_cnn
 CONFIG ?= configs/digits_cnn.py
+# pytest-xdist workers for make test and test-slow (CI has 2 cores; 0 runs in this process).
+# One test file per worker at a time (loadfile): a file's module fixtures compile once.
+TEST_WORKERS ?= 2
 
 .PHONY: install train eval test test-slow lint bench clean
 
@@ -25,10 +28,10 @@ eval: $(STAMP)
 	$(BIN)/python -m replicator eval --config $(CONFIG) --workdir $(WORKDIR)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m slow
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
