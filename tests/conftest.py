@@ -60,15 +60,14 @@ def bucket(gcs_server) -> str:
 
 
 # Slow on CI's 2 cores (10-25 s each) and held by faster tests of the same invariant, so
-# `make test` keeps under 15 minutes; `make test-slow` runs them.
+# `make test` keeps under 15 minutes; `make test-slow` runs them. Session 15 ran the suite on
+# two pytest-xdist workers (13m38s -> 8m40s) and took back the bad-input cases, MoE capacity
+# drops, the chunked loss, the ring on the compile path and four resume/storage tests.
 SLOW = (
-    # Session 14's cut: MoE drops and the chunked loss keep fast siblings; the XLA:CPU
-    # scheduler crash repro (a subprocess) runs with `make test-slow`.
-    "tests/test_parallel_checkpoints.py::test_a_load_balanced_moe_lm_with_a_capacity_drops_what_one_device_drops",
+    # The XLA:CPU scheduler crash repro (a subprocess) and the GAN config (its experiment
+    # has its own fast tests) run with `make test-slow`.
     "tests/test_lm_parallel.py::test_an_moe_step_reducing_its_sums_over_data_runs_on_cpu",
-    "tests/test_lm.py::test_a_chunked_loss_equals_the_whole_one_without_whole_logits[False]",
     "tests/test_configs.py::test_config_trains_two_steps[gan_digits]",
-    "tests/test_lm_parallel.py::test_the_lm_over_context_trains_like_one_device[compile-mesh0-ring-True]",
     # The same experiment as digits_cnn and cifar10_resnet (kept), and DiLoCo's own tests:
     "tests/test_configs.py::test_config_trains_two_steps[cifar10_cnn]",
     "tests/test_configs.py::test_config_trains_two_steps[fashion_mnist_cnn]",
@@ -79,8 +78,6 @@ SLOW = (
     "tests/test_zero.py::test_run_keeps_the_state_sharded_and_equals_one_device[adam-data4_fsdp2]",
     "tests/test_zero.py::test_what_the_step_reads_is_what_it_reads_unsharded[1]",
     "tests/test_checkpoint.py::test_every_item_of_a_step_restores_with_orbax_alone[bucket]",
-    "tests/test_gcs.py::test_a_run_on_a_bucket_leaves_nothing_local_and_equals_a_local_run",
-    "tests/test_cli.py::test_progress_bar_on_a_terminal",
     "tests/test_context_parallel.py::test_chunks_smaller_than_a_block_equal_one_device[False-ring]",
     "tests/test_context_parallel.py::test_chunks_smaller_than_a_block_equal_one_device[True-gather]",
     "tests/test_context_parallel.py::test_inside_a_shard_map_over_data_and_context_equals_one_device[4-gather-False]",
@@ -101,7 +98,6 @@ SLOW = (
     "tests/test_pipeline.py::test_gradient_accumulation_runs_the_schedule_per_microbatch[compile]",
     "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[gan_digits-compile-mesh3-Dense_0]",
     "tests/test_finetune.py::test_lr_mults_in_a_run_move_the_backbone_a_tenth_and_say_what_they_took",
-    "tests/test_checkpoint.py::test_every_item_of_a_step_restores_with_orbax_alone[local]",
     "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[lm_tiny-run-mesh2-ln_final]",
     "tests/test_optimizer_keys.py::test_every_experiment_takes_the_optimizer_keys_on_both_paths[digits_nnx_cnn-run-mesh1-conv1]",
     "tests/test_optimizer_keys.py::test_a_resumed_fine_tune_needs_no_source",
@@ -111,11 +107,7 @@ SLOW = (
     "tests/test_pipeline.py::test_the_lm_on_a_pipeline_trains_like_one_device[run-mesh1-pipeline1]",
     "tests/test_multiprocess.py::test_custom_loop_on_two_processes_equals_one",
     "tests/test_multiprocess.py::test_replicate_and_process_rows_across_processes",
-    "tests/test_own_data.py::test_resuming_a_run_on_a_data_function_equals_never_stopping",
     "tests/test_own_data.py::test_the_regression_example_trains_from_the_repository_root",
-    "tests/test_own_data.py::test_array_record_files_train_exactly_like_the_function_that_wrote_them",
-    "tests/test_own_data.py::test_a_builder_beside_the_config_is_built_where_it_is_with_no_flag",
-    "tests/test_optimizer_keys.py::test_ema_metrics_and_ema_survive_kill_and_resume_bitwise",
     "tests/test_optimizer_keys.py::test_a_bf16_gradient_sum_trains_like_a_float32_one[digits_cnn-60-accuracy-0.03]",
     "tests/test_optimizer_keys.py::test_init_from_with_freeze_reproduces_the_source_eval",
     "tests/test_lm_parallel.py::test_the_moe_lm_over_experts_trains_like_one_device[compile-mesh0]",
@@ -126,19 +118,9 @@ SLOW = (
     "tests/test_nnx_trainer.py::test_smoke_config_trains_with_its_state_in_the_train_state[fp32]",
     "tests/test_ports.py::test_gan_two_optimizers_in_one_step_8_replicas_equal_1_device[mesh1]",
     "tests/test_lm_program.py::test_every_remat_policy_gives_the_gradients_of_none[minimal]",
-    "tests/test_cli.py::test_eval_is_quiet_and_verbose_shows_the_libraries",
     "tests/test_profile.py::test_the_profiler_server_runs_while_training_and_stops_after",
     "tests/test_zero.py::test_run_keeps_the_state_sharded_and_equals_one_device[sgd-cube]",
     "tests/test_zero.py::test_run_keeps_the_state_sharded_and_equals_one_device[sgd-data4_tensor2]",
-    "tests/test_own_data.py::test_the_command_line_says_each_data_mistake_in_one_line[bad_data:nope]",
-    "tests/test_own_data.py::test_the_command_line_says_each_data_mistake_in_one_line[bad_data:raises]",
-    "tests/test_own_data.py::test_the_command_line_says_each_data_mistake_in_one_line[bad_data:tuples]",
-    "tests/test_own_data.py::test_the_command_line_says_each_data_mistake_in_one_line[bad_data:lists]",
-    "tests/test_own_data.py::test_the_command_line_says_each_data_mistake_in_one_line[array_record:/nowhere/test.array_record]",
-    "tests/test_optimizer_keys.py::test_bad_optimizer_keys_are_one_line_and_write_nothing[--config.warmup_steps=999]",
-    "tests/test_optimizer_keys.py::test_bad_optimizer_keys_are_one_line_and_write_nothing[--config.weight_decay=-0.1]",
-    "tests/test_optimizer_keys.py::test_bad_optimizer_keys_are_one_line_and_write_nothing[--config.lr_batch_scaling=cube]",
-    "tests/test_optimizer_keys.py::test_bad_optimizer_keys_are_one_line_and_write_nothing[--config.weight_decay_mask=kernel]",
 )
 
 
