@@ -239,9 +239,7 @@ def gather_sequence(x, axis: str = CONTEXT_AXIS, dim: int = 1):
     The result does not vary over ``axis`` (a ``psum`` of each block in its place),
     so a loss made from it counts every token once: its gradient reaches each block
     once, not ``CP`` times."""
-    if context_size(axis) == 1 or not _is_manual(axis):
-        return x
-    if axis not in jax.typeof(x).manual_axis_type.varying:
+    if not _split_here(x, axis):
         return x
     cp, size = context_size(axis), x.shape[dim]
     shape = (*x.shape[:dim], size * cp, *x.shape[dim + 1 :])
@@ -259,7 +257,7 @@ def sequence_positions(x, load_balanced: bool = False, axis: str = CONTEXT_AXIS,
     [0, 1, 2, 3]
     """
     cp, length = context_size(axis), x.shape[dim]
-    if cp > 1 and _is_manual(axis) and axis in jax.typeof(x).manual_axis_type.varying:
+    if _split_here(x, axis):
         shard = jax.lax.axis_index(axis)
         return context_positions(length * cp, cp, load_balanced, shard=shard)
     if cp > 1 and load_balanced:
@@ -450,12 +448,13 @@ def _pair_loop(layout: _Layout, compute, carry):
     model was differentiated (32 GiB for lm_1b's gather at 64k on a v5e-16)."""
     tri = np.tri(layout.size, dtype=bool)
     for pairs, how in layout.groups():
-        if len(pairs):
-            mask = None if how == _VISIBLE else tri
-            step = functools.partial(
-                lambda c, pair, mask: (compute(c, *pair, mask), None), mask=mask
-            )
-            carry = jax.lax.scan(step, carry, jnp.asarray(pairs))[0]
+        if not len(pairs):
+            continue
+
+        def step(c, pair, mask=None if how == _VISIBLE else tri):
+            return compute(c, *pair, mask), None
+
+        carry = jax.lax.scan(step, carry, jnp.asarray(pairs))[0]
     return carry
 
 
@@ -731,6 +730,16 @@ def _whole_on_every_shard(axis: str, *xs) -> bool:
     if not jax.typeof(jax.lax.axis_index(axis)).manual_axis_type.varying:
         return False  # not tracked: the caller's blocks, as documented
     return not any(axis in jax.typeof(x).manual_axis_type.varying for x in xs)
+
+
+def _split_here(x, axis: str) -> bool:
+    """Whether ``x`` is this device's block of a sequence split over the manual ``axis``
+    (it varies over it, as `split_sequence`'s output does)."""
+    return (
+        context_size(axis) > 1
+        and _is_manual(axis)
+        and axis in jax.typeof(x).manual_axis_type.varying
+    )
 
 
 def _is_manual(axis: str) -> bool:

@@ -81,9 +81,10 @@ Activations named with `replicator.activations.constrain` follow
 `replicator.activations.ACTIVATION_RULES` (the batch over ``data`` and ``fsdp``)."""
 
 MIN_SHARD_SIZE = 2**14
+"""Parameters with fewer elements (64 KiB in float32) stay replicated."""
+
 PARAMETER_AXES = ("fsdp", "context")
 """The mesh axes that split any large parameter no rule split (automatic FSDP)."""
-"""Parameters with fewer elements (64 KiB in float32) stay replicated."""
 
 _AUTO_FSDP = "auto fsdp (largest divisible dimension)"
 _SMALL = "below min_size: replicated"

@@ -60,9 +60,7 @@ def bucket(gcs_server) -> str:
 
 
 # Slow on CI's 2 cores (10-25 s each) and held by faster tests of the same invariant, so
-# `make test` keeps under 15 minutes; `make test-slow` runs them. Session 15 ran the suite on
-# two pytest-xdist workers (13m38s -> 8m40s) and took back the bad-input cases, MoE capacity
-# drops, the chunked loss, the ring on the compile path and four resume/storage tests.
+# `make test` (two pytest-xdist workers) keeps under 15 minutes; `make test-slow` runs them.
 SLOW = (
     # The XLA:CPU scheduler crash repro (a subprocess) and the GAN config (its experiment
     # has its own fast tests) run with `make test-slow`.
