@@ -128,3 +128,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW:
             item.add_marker(pytest.mark.slow)
+    # An entry of a collected file that names no test (a renamed test, a changed
+    # parameter) would silently turn that test fast: refuse it.
+    collected = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    stale = [n for n in SLOW if n.split("::")[0] in files and n not in collected]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py SLOW names no collected test: {stale}")

@@ -101,7 +101,7 @@ def test_config_of_a_dataset_that_is_not_prepared_fails_fast(path, tmp_path):
     start = time.monotonic()
     with pytest.raises(data.DatasetNotPreparedError) as error:
         trainer.train_and_evaluate(config, str(tmp_path / "run"), quiet=True)
-    assert time.monotonic() - start < 10, "must not try to download"
+    assert time.monotonic() - start < 30, "must not try to download"  # loaded 2 cores: ~5 s
     assert f"tfds build {config.dataset} " in str(error.value)
     assert not (tmp_path / "run").exists()
 

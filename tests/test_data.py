@@ -515,7 +515,7 @@ def test_download_based_dataset_that_is_missing_fails_fast(tmp_path):
     start = time.monotonic()
     with pytest.raises(data.DatasetNotPreparedError) as error:
         data.load_data_source("mnist", "train", data_dir=str(tmp_path))
-    assert time.monotonic() - start < 10, "must not try to download"
+    assert time.monotonic() - start < 30, "must not try to download"  # loaded 2 cores: ~5 s
     message = str(error.value)
     assert str(tmp_path) in message
     assert "tfds build mnist --data_dir=DIR --file_format=array_record" in message

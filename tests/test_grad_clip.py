@@ -18,6 +18,7 @@ import pytest
 import replicator as rp
 from replicator import hlo
 from replicator.optim import GradNormState
+from tests.compare import assert_trained_alike
 
 GLOBAL_BATCH = 48  # 6 per replica on 8: microbatches of 3
 CLIP = 0.05  # below every gradient norm of these steps, so every step clips
@@ -119,7 +120,10 @@ def test_clip_equals_one_device_clip_of_the_global_batch(name, opt):
         state = train(path, mesh, k, make_tx, batches, clip_norm=CLIP)
     if name.startswith("zero"):
         assert not state.params["w1"].sharding.is_fully_replicated
-    assert_close(state.params, want, atol)
+    if opt == "adam":  # its rare amplified rounding, up to the learning rate (tests/compare.py)
+        assert_trained_alike(state.params, want, atol=atol, worst=0.05)
+    else:
+        assert_close(state.params, want, atol)
     assert isinstance(state.opt_state, GradNormState)
     np.testing.assert_allclose(rp.grad_norm(state), norms[-1], rtol=1e-5)  # before clipping
     unclipped, _ = one_device(make_tx, batches, clip=None)

@@ -24,6 +24,7 @@ from experiments.lm import Transformer, count_params, make_experiment, make_prep
 from replicator import activations
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
+from tests.compare import assert_trained_alike
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BLOCK = 128
@@ -298,11 +299,7 @@ def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, tr
     np.testing.assert_allclose(trained["losses"][:3], losses, rtol=1e-5)
     # compile places the activations by the rules (the batch over data and fsdp): other
     # reduction orders, which Adam's first steps magnify in near-zero parameters.
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-        trained["params"][2],
-        jax.device_get(state.params),
-    )
+    assert_trained_alike(trained["params"][2], jax.device_get(state.params))
     losses = trained["losses"]
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)
     assert np.mean(losses[-3:]) < losses[0] - 1.5, losses
@@ -332,11 +329,7 @@ def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batc
     np.testing.assert_allclose(trained["losses"][:3], losses, rtol=1e-5)
     # Other reduction orders: Adam's first steps magnify them in near-zero parameters
     # (the rare token rows of the embedding: 1.6e-5 of an update of 3e-3).
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5),
-        trained["params"][2],
-        jax.device_get(state.params),
-    )
+    assert_trained_alike(trained["params"][2], jax.device_get(state.params))
 
 
 def test_microbatches_train_like_the_whole_batch(mesh_2d, batches, trained):
@@ -344,11 +337,7 @@ def test_microbatches_train_like_the_whole_batch(mesh_2d, batches, trained):
     run = lambda s, b: mesh_2d.run(experiment.train_step, s, b)
     state, losses = _train(mesh_2d, run, mesh_2d.replicate(trained["initial"]), batches[:2])
     np.testing.assert_allclose(trained["losses"][:2], losses, rtol=1e-5)
-    _assert_close(trained["params"][1], jax.device_get(state.params))
-
-
-def _assert_close(params, other):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, other)
+    assert_trained_alike(trained["params"][1], jax.device_get(state.params))
 
 
 def test_eval_sums_weigh_real_tokens_only(stdlib, mesh_2d, trained):

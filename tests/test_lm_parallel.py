@@ -14,6 +14,7 @@ from experiments.lm import make_experiment
 from experiments.lm.task import make_preprocess, summarize
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
+from tests.compare import assert_trained_alike
 
 TINY = dict(vocab_size=64, num_layers=4, num_heads=2, embed_dim=32, mlp_dim=64, max_len=32)
 MOE = dict(TINY, num_experts=8, experts_per_token=2, expert_capacity_factor=1.0, moe_every=2)
@@ -50,11 +51,12 @@ def _train(repl, path, batches, model=TINY, **parallel):
     return records, jax.device_get(state.params)
 
 
-def _assert_trains_alike(got, expected, rtol=1e-5, atol=2e-5):
+def _assert_trains_alike(got, expected, rtol=1e-5, worst=1e-4):
+    """The losses tight; the parameters after Adam steps as `tests.compare` bounds them."""
     np.testing.assert_allclose(
         [r["loss"] for r in got[0]], [r["loss"] for r in expected[0]], rtol=rtol
     )
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol), got[1], expected[1])
+    assert_trained_alike(got[1], expected[1], atol=2e-5, worst=worst)
 
 
 @pytest.fixture(scope="module")
@@ -177,17 +179,9 @@ def test_the_moe_lm_over_experts_trains_like_one_device(path, mesh, batches, one
     dropped = [r["dropped_fraction"] for r in got[0]]
     assert 0 < dropped[0] < 1  # capacity factor 1: some pairs dropped, the same ones
     np.testing.assert_allclose(dropped, [r["dropped_fraction"] for r in expected[0]], rtol=1e-6)
-    if path == "compile":
-        return _assert_trains_alike(got, expected)
-    # run sums the experts' outputs over "expert" in another order: Adam turns that
-    # rounding in a near-zero gradient into a step of up to the learning rate, in a
-    # few elements (as tests/test_pipeline.py's bf16 test explains).
-    np.testing.assert_allclose(
-        [r["loss"] for r in got[0]], [r["loss"] for r in expected[0]], rtol=1e-5
-    )
-    leaves = zip(*map(jax.tree.leaves, (got[1], expected[1])))
-    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in leaves])
-    assert diffs.max() < 1e-3 and np.mean(diffs > 2e-5) < 1e-3, (diffs.max(), np.mean(diffs > 2e-5))
+    # run sums the experts' outputs over "expert" in another order: in a few elements
+    # Adam turns that into a step of up to the learning rate.
+    _assert_trains_alike(got, expected, worst=1e-4 if path == "compile" else 1e-3)
 
 
 _REDUCED_IN_THE_STEP = """
@@ -241,8 +235,10 @@ def test_a_capacity_of_every_expert_drops_nothing(scan_layers, batches):
     repl = rp.Replicator(mesh={"expert": 4, "data": 2}, min_size=0)
     records, params = _train(repl, "compile", batches, model)
     assert [r["dropped_fraction"] for r in records] == [0.0, 0.0, 0.0]
+    # moe_every=2: of each pair of blocks the first is dense, the second experts.
     blocks = params["blocks"] if scan_layers else params
-    assert "moe" not in jax.tree.leaves(blocks, is_leaf=lambda x: isinstance(x, dict))[0]
+    assert "mlp" in blocks["block_0"] and "moe" not in blocks["block_0"], blocks["block_0"].keys()
+    assert "moe" in blocks["block_1"] and "mlp" not in blocks["block_1"], blocks["block_1"].keys()
 
 
 def test_moe_keys_that_cannot_work_are_one_line():
