@@ -12,7 +12,8 @@ over ``[batch, time, heads, head_dim]`` inputs, computed by:
 * ``"xla"``: `jax.nn.dot_product_attention`'s XLA version: any backend.
 * ``"auto"``: splash on TPU where the sequence splits into blocks of 128 (in the
   global view: `Replicator.compile`), cuDNN on GPU for 16-bit inputs and head
-  widths up to 128 in multiples of 8, XLA elsewhere.
+  widths up to 128 in multiples of 8 (and, with segment ids, an even length),
+  XLA elsewhere.
   The platform is that of the mesh being compiled for (a TPU topology compiled
   from a CPU host picks splash), else JAX's default backend.
 
@@ -21,6 +22,15 @@ A Pallas kernel is one device's program: under `Replicator.compile` it runs insi
 activation rules split them (`replicator.activations`). Inside `Replicator.run`
 splash is refused: its backward pass does not keep track of the values that vary
 per replica (JAX's ``check_vma``), so a per-replica step uses XLA's attention.
+
+Packed documents: with ``segment_ids`` (int32 ``[batch, time]``) a query attends
+only to the keys at or before it that carry its own id. Splash takes them as its
+``SegmentIds`` (it skips no more blocks than the causal mask, but masks within
+them). XLA masks its scores with their comparison. cuDNN, through
+`jax.nn.dot_product_attention`, has no segment ids of its own in JAX 0.10 (only
+padding lengths; its packed layout is not in the public API), so they go in as its
+``mask``, which it adds to the scores as a ``[batch, 1, time, time]`` bias: fused
+still, but that bias lives in memory, ``2 * time**2`` bytes per sequence in 16 bits.
 """
 
 from __future__ import annotations
@@ -42,12 +52,15 @@ def causal_attention(
     v_BxTxHxD: jax.Array,
     *,
     implementation: str = "auto",
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal multi-head attention ``[batch, time, heads, head_dim]`` -> the same shape.
 
     Args:
       q_BxTxHxD: queries; k_BxTxHxD, v_BxTxHxD: keys and values, the same shape.
       implementation: one of `IMPLEMENTATIONS` (see the module docstring).
+      segment_ids: None, or int32 ``[batch, time]``: packed documents, a query
+        attending only to earlier keys of its own segment.
 
     Returns:
       ``softmax(q k^T / sqrt(head_dim), causal) v`` in ``q``'s dtype.
@@ -57,17 +70,31 @@ def causal_attention(
     >>> plain = causal_attention(x, x, x, implementation="xla")
     >>> bool(jnp.allclose(fused, plain, atol=1e-5))
     True
+    >>> ids = jnp.repeat(jnp.array([[0, 1], [0, 1]]), 64, axis=1)  # two documents of 64
+    >>> apart = causal_attention(x, x, x, implementation="xla", segment_ids=ids)
+    >>> alone = causal_attention(x[:, 64:], x[:, 64:], x[:, 64:], implementation="xla")
+    >>> bool(jnp.allclose(apart[:, 64:], alone, atol=1e-5))
+    True
     """
-    chosen = choose_implementation(implementation, q_BxTxHxD.dtype, q_BxTxHxD.shape)
-    if chosen != "splash":
-        return jax.nn.dot_product_attention(
-            q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, is_causal=True, implementation=chosen
-        )
-    return _splash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD)
+    shape = q_BxTxHxD.shape
+    chosen = choose_implementation(implementation, q_BxTxHxD.dtype, shape, segment_ids)
+    if chosen == "splash":
+        return _splash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids)
+    mask = None
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        _check_segment_ids(segment_ids, shape)
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # Bx1xTxT
+    return jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask=mask, is_causal=True, implementation=chosen
+    )
 
 
-def choose_implementation(requested: str, dtype: jnp.dtype, shape: tuple[int, ...]) -> str:
-    """The implementation ``"auto"`` stands for here (others are returned as they are).
+def choose_implementation(
+    requested: str, dtype: jnp.dtype, shape: tuple[int, ...], segment_ids: object = None
+) -> str:
+    """The implementation ``"auto"`` stands for here (others are returned as they are);
+    ``segment_ids``: whether the call has them (None: it has not).
 
     >>> choose_implementation("auto", jnp.float32, (1, 128, 2, 64))  # on CPU
     'xla'
@@ -93,7 +120,9 @@ def choose_implementation(requested: str, dtype: jnp.dtype, shape: tuple[int, ..
     if platform == "tpu" and _splash_block(shape[1]) is not None and not per_replica:
         return "splash"
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if platform == "gpu" and sixteen_bit and head_dim % 8 == 0 and head_dim <= 128:
+    # cuDNN takes segment ids as a bias, whose backward pass needs an even length.
+    even = segment_ids is None or shape[1] % 2 == 0
+    if platform == "gpu" and sixteen_bit and head_dim % 8 == 0 and head_dim <= 128 and even:
         return "cudnn"
     return "xla"
 
@@ -120,28 +149,46 @@ def _splash_block(length: int) -> int | None:
     return next((b for b in _SPLASH_BLOCKS if length % b == 0), None)
 
 
-def _splash_attention(q_BxTxHxD: jax.Array, k_BxTxHxD: jax.Array, v_BxTxHxD: jax.Array):
+def _check_segment_ids(segment_ids: jax.Array, shape: tuple[int, ...]) -> None:
+    integers = jnp.issubdtype(segment_ids.dtype, jnp.integer)
+    if segment_ids.shape != tuple(shape[:2]) or not integers:
+        raise ValueError(
+            f"segment_ids {segment_ids.shape} {segment_ids.dtype}: expected integers "
+            f"[batch, time] = {tuple(shape[:2])}, aligned with the queries."
+        )
+
+
+def _splash_attention(
+    q_BxTxHxD: jax.Array,
+    k_BxTxHxD: jax.Array,
+    v_BxTxHxD: jax.Array,
+    segment_ids_BxT: jax.Array | None = None,
+):
     """Splash attention, inside ``shard_map`` over the batch and head axes the mesh
     splits automatically (none left: called directly)."""
     batch, _, heads, _ = q_BxTxHxD.shape
     mesh = jax.sharding.get_abstract_mesh()
     batch_axes, head_axes = _kernel_axes(mesh, batch, heads)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BxTxHxD, k_BxTxHxD, v_BxTxHxD))  # BxHxTxD
+    args = (q, k, v)
+    if segment_ids_BxT is not None:
+        _check_segment_ids(segment_ids_BxT, q_BxTxHxD.shape)
+        args += (segment_ids_BxT.astype(jnp.int32),)
     auto = _auto_axes(mesh)
     if not auto:  # every axis manual already (inside run, or no mesh)
-        return jnp.swapaxes(_splash_local(q, k, v), 1, 2)
+        return jnp.swapaxes(_splash_local(*args), 1, 2)
     # A Mosaic kernel is never partitioned by XLA: manual over every automatic axis,
     # split over those the batch and heads divide by, the rest replicated.
     spec = P(batch_axes or None, head_axes or None, None, None)
     sharded = jax.shard_map(
         _splash_local,
         mesh=mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=(spec,) * 3 + (P(batch_axes or None, None),) * (len(args) - 3),
         out_specs=spec,
         axis_names=frozenset(auto),
         check_vma=False,
     )
-    return jnp.swapaxes(sharded(q, k, v), 1, 2)
+    return jnp.swapaxes(sharded(*args), 1, 2)
 
 
 def _kernel_axes(mesh, batch: int, heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -166,7 +213,12 @@ def _auto_axes(mesh) -> tuple[str, ...]:
     return tuple(n for n, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Auto)
 
 
-def _splash_local(q_BxHxTxD: jax.Array, k_BxHxTxD: jax.Array, v_BxHxTxD: jax.Array):
+def _splash_local(
+    q_BxHxTxD: jax.Array,
+    k_BxHxTxD: jax.Array,
+    v_BxHxTxD: jax.Array,
+    segment_ids_BxT: jax.Array | None = None,
+):
     """One device's splash attention over its whole batch and heads."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -186,4 +238,10 @@ def _splash_local(q_BxHxTxD: jax.Array, k_BxHxTxD: jax.Array, v_BxHxTxD: jax.Arr
         interpret=jax.default_backend() != "tpu" and target_platform() != "tpu",
     )
     q = q_BxHxTxD * jnp.asarray(1 / math.sqrt(head_dim), q_BxHxTxD.dtype)
-    return jax.vmap(kernel)(q, k_BxHxTxD, v_BxHxTxD).astype(q_BxHxTxD.dtype)
+    if segment_ids_BxT is None:
+        return jax.vmap(kernel)(q, k_BxHxTxD, v_BxHxTxD).astype(q_BxHxTxD.dtype)
+    segments = splash.SegmentIds(q=segment_ids_BxT, kv=segment_ids_BxT)
+    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
+        q, k_BxHxTxD, v_BxHxTxD, segments
+    )
+    return out.astype(q_BxHxTxD.dtype)

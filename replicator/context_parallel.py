@@ -39,6 +39,12 @@ does the same work (under ``"ring"``, half a block's worth per hop).
 every element, for what depends on it (rotary embeddings, position tables).
 Reorder the targets with the tokens and a per-token loss is unchanged.
 
+Packed documents: with ``segment_ids`` a query attends only to the keys of its own
+segment. The ids of a block of keys travel with it (gathered with it, or round
+the ring beside it), and each computed pair of chunks masks its scores by them
+(`replicator.flash`, which holds the chunked flash attention both strategies
+share); the pairs computed stay those the causal mask decides, statically.
+
 `context_attention` runs in the global view (`Replicator.compile`, or
 ``jax.jit`` under ``jax.set_mesh``), where it goes manual over ``context`` and
 the axes the batch is split over in a ``jax.shard_map`` and leaves every other
@@ -68,7 +74,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -77,12 +82,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from replicator import attention as attention_lib
+from replicator import flash
 from replicator.context import vary
 
 CONTEXT_AXIS = "context"
 STRATEGIES = ("gather", "ring")
 CHUNK = 512  # positions of queries and keys per block of scores
-_F32 = jnp.float32
 
 
 def context_attention(
@@ -95,11 +100,13 @@ def context_attention(
     axis: str = CONTEXT_AXIS,
     implementation: str = "auto",
     chunk: int = CHUNK,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal multi-head attention of a sequence split over the mesh axis ``axis``.
 
-    Equal to ``causal_attention(q, k, v)`` of the whole sequence (in its original
-    order when it was reordered with `load_balance`), for any size of ``axis``.
+    Equal to ``causal_attention(q, k, v, segment_ids=segment_ids)`` of the whole
+    sequence (in its original order when it was reordered with `load_balance`), for
+    any size of ``axis``.
 
     Args:
       q_BxTxHxD: queries ``[batch, time, heads, head_dim]``: the whole sequence in
@@ -121,6 +128,10 @@ def context_attention(
         block, or its halves when load balanced): a device holds one
         ``[batch, chunk, heads, chunk]`` block of float32 scores at a time, and
         computes only the pairs of chunks that the causal mask leaves visible.
+      segment_ids: None, or int32 ``[batch, time]``, aligned and split like ``q``
+        (packed documents): a query attends only to keys of its own id. The key
+        blocks' ids travel with them (gathered, or round the ring), and mask the
+        scores inside each pair of chunks that is computed.
 
     Returns:
       The attention output, shaped and split like ``q``, in ``q``'s dtype.
@@ -135,12 +146,13 @@ def context_attention(
     >>> bool(jnp.allclose(y, attention_lib.causal_attention(x, x, x)))
     True
     """
-    _check_inputs(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, strategy)
+    _check_inputs(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, strategy, segment_ids)
     cp = context_size(axis)
     if cp == 1:
         return attention_lib.causal_attention(
-            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, implementation=implementation
-        )
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, implementation=implementation,
+            segment_ids=segment_ids,
+        )  # fmt: skip
     if implementation not in ("auto", "xla"):
         raise ValueError(
             f"context_attention: implementation={implementation!r} is a kernel for a whole "
@@ -151,16 +163,20 @@ def context_attention(
         _local_attention, strategy=strategy, balanced=load_balanced, axis=axis, chunk=chunk
     )
     length = q_BxTxHxD.shape[1]
+    args = (q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
+    if segment_ids is not None:  # an optional fourth argument all the way down
+        args += (jnp.asarray(segment_ids, jnp.int32),)
     if _is_manual(axis):
-        whole = _whole_on_every_shard(axis, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
+        whole = _whole_on_every_shard(axis, *args)
         _check_length(length * (1 if whole else cp), cp, load_balanced, "context_attention")
-        return local(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, whole=whole)
+        return local(*args, whole=whole)
     _check_length(length, cp, load_balanced, "context_attention")
-    return _split_program(local, axis, q_BxTxHxD.shape[0])(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
+    return _split_program(local, axis, q_BxTxHxD.shape[0], len(args))(*args)
 
 
-def _split_program(local, axis: str, batch: int):
-    """``local`` in a ``shard_map`` manual over ``axis`` and the batch's axes."""
+def _split_program(local, axis: str, batch: int, count: int):
+    """``local`` of ``count`` arguments (``q``, ``k``, ``v`` and maybe segment ids) in a
+    ``shard_map`` manual over ``axis`` and the batch's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     rows = _batch_axes(mesh, axis, batch)
     spec = P(rows or None, axis)
@@ -168,11 +184,11 @@ def _split_program(local, axis: str, batch: int):
         jax.shard_map, mesh=mesh, axis_names=frozenset({axis, *rows}), check_vma=True
     )
     if AxisType.Manual in mesh.axis_types:  # inside a shard_map over other axes (run's)
-        return _nested(local, program, spec)
-    return program(local, in_specs=(spec, spec, spec), out_specs=spec)
+        return _nested(local, program, spec, count)
+    return program(local, in_specs=(spec,) * count, out_specs=spec)
 
 
-def _nested(local, program, spec):
+def _nested(local, program, spec, count: int):
     """``local`` under ``program`` (a ``shard_map`` inside another's manual axes), with a
     backward pass that is a ``shard_map`` of its own, recomputing the forward.
 
@@ -181,16 +197,17 @@ def _nested(local, program, spec):
     the verifier refuses. Saving only the inputs avoids those residuals."""
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return program(local, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    def attend(*args):
+        return program(local, in_specs=(spec,) * count, out_specs=spec)(*args)
 
     def backward(saved, d_out):
-        def local_grads(q, k, v, d_out):
-            return jax.vjp(local, q, k, v)[1](d_out)
+        def local_grads(d_out, q, k, v, *ids):
+            return jax.vjp(lambda q, k, v: local(q, k, v, *ids), q, k, v)[1](d_out)
 
-        return program(local_grads, in_specs=(spec,) * 4, out_specs=(spec,) * 3)(*saved, d_out)
+        specs = dict(in_specs=(spec,) * (count + 1), out_specs=(spec,) * 3)
+        return (*program(local_grads, **specs)(d_out, *saved), *[None] * (count - 3))
 
-    attend.defvjp(lambda q, k, v: (attend(q, k, v), (q, k, v)), backward)
+    attend.defvjp(lambda *args: (attend(*args), args), backward)
     return attend
 
 
@@ -362,27 +379,32 @@ def _reorder(x, cp: int, axis: int, *, inverse: bool):
 # ------------------------------------------------------------ one device's program
 
 
-def _local_attention(q, k, v, *, strategy, balanced, axis, chunk, whole=False) -> jax.Array:
-    """With ``axis`` manual: this device's queries attending to the whole sequence
-    (``whole``: the device holds all of it, as every device along ``axis`` does)."""
+def _local_attention(q, k, v, ids=None, *, strategy, balanced, axis, chunk, whole=False):
+    """With ``axis`` manual: this device's queries (segment ``ids``, or None) attending
+    to the whole sequence (``whole``: the device holds all of it, as every device
+    along ``axis`` does)."""
     cp = context_size(axis)
-    q, k, v = (vary(x, _varying(q, k, v)) for x in (q, k, v))
+    axes = flash.varying(q, k, v, *([] if ids is None else [ids]))
+    q, k, v = (vary(x, axes) for x in (q, k, v))
+    ids = None if ids is None else vary(ids, axes)
     batch, length, heads, head_dim = q.shape
     if whole and balanced:  # attend in the original order, where chunks are contiguous
         q, k, v = (restore_order(x, cp) for x in (q, k, v))
+        ids = None if ids is None else restore_order(ids, cp)
     q5 = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # B,T,K,G,D
     total = length if whole else length * cp
     kind = "whole" if whole else strategy
     pieces = 1 if whole else 2 * cp if balanced else cp
     layout = _Layout(kind, total, cp, balanced and not whole, axis,
                      _chunk_size(total // pieces, chunk))  # fmt: skip
+    kv = (k, v) if ids is None else (k, v, ids)  # a block of keys and their ids
     if kind == "ring":
-        out = _ring_attention(q5, k, v, layout)
+        out = _ring_attention(q5, kv, ids, layout)
     elif kind == "gather":
-        k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-        out = _gathered_attention(q5, k, v, layout)
+        kv = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in kv)
+        out = _gathered_attention(q5, kv, ids, layout)
     else:
-        out = _blocked_attention(q5, k, v, layout)
+        out = flash.blocked_attention(q5, k, v, None if ids is None else (ids, ids), layout)
     out = out.reshape(q.shape).astype(q.dtype)
     return load_balance(out, cp) if whole and balanced else out
 
@@ -392,10 +414,6 @@ def _chunk_size(piece: int, target: int) -> int:
     its halves when load balanced, whose positions are consecutive. So are a chunk's,
     and a pair of chunks is all visible, all hidden, or split by the diagonal."""
     return max(c for c in range(1, min(piece, target) + 1) if piece % c == 0)
-
-
-# How a pair of chunks (queries starting at position a, keys at b) is computed.
-_HIDDEN, _DIAGONAL, _VISIBLE = 0, 1, 2  # a < b, a == b (causal within), a > b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +426,7 @@ class _Layout:
     (``"after"``). ``"ring"`` and ``"gather"`` name the strategy before a hop's
     case is known. A case's mask depends only on which of the three it is, so each
     is laid out as shards 0 and 1 stand to each other: static positions, and static
-    lists of the pairs of chunks to compute."""
+    lists of the pairs of chunks to compute (`replicator.flash`'s layout)."""
 
     kind: str
     total: int  # the whole sequence's length
@@ -429,207 +447,74 @@ class _Layout:
             )
         return rows[:: self.size], cols[:: self.size]
 
-    def groups(self) -> list[tuple[np.ndarray, int]]:
-        """``(pairs [n, 2] of (query chunk, key chunk), how)``: the pairs computed
-        alike, ``_VISIBLE`` or ``_DIAGONAL`` (the hidden ones are left out)."""
+    def groups(self) -> list[tuple[np.ndarray, bool]]:
+        """``(pairs [n, 2] of (query chunk, key chunk), causal)``: the pairs whose
+        queries start after their keys (all visible), then those that start together
+        (causal within); those that start before are hidden and left out."""
         rows, cols = self.starts()
-        how = (rows[:, None] >= cols[None, :]).astype(int) + (rows[:, None] > cols[None, :])
-        return [(np.argwhere(how == h).astype(np.int32), h) for h in (_VISIBLE, _DIAGONAL)]
-
-
-def _pair_loop(layout: _Layout, compute, carry):
-    """``carry`` through ``compute(carry, i, j, mask)`` for every pair of chunks (query
-    chunk ``i``, key chunk ``j``) that ``layout`` leaves visible, ``mask`` being None
-    (all visible) or the causal triangle. One ``lax.scan`` per group of pairs.
-
-    The pairs are static on purpose: a per-pair ``lax.cond`` (or a mask computed
-    per pair from traced positions), inside a custom VJP's forward under a scan of
-    layers, made JAX 0.10 stack every pair's scores or masks as residuals when the
-    model was differentiated (32 GiB for lm_1b's gather at 64k on a v5e-16)."""
-    tri = np.tri(layout.size, dtype=bool)
-    for pairs, how in layout.groups():
-        if not len(pairs):
-            continue
-
-        def step(c, pair, mask=None if how == _VISIBLE else tri):
-            return compute(c, *pair, mask), None
-
-        carry = jax.lax.scan(step, carry, jnp.asarray(pairs))[0]
-    return carry
-
-
-def _chunk(x, c, size):
-    """Chunk ``c`` (traced) of ``x``'s sequence (axis 1)."""
-    return jax.lax.dynamic_slice_in_dim(x, c * size, size, 1)
-
-
-def _put_chunk(x, c, size, value):
-    return jax.lax.dynamic_update_slice_in_dim(x, value, c * size, 1)
-
-
-def _fold(acc, q, k, v, layout: _Layout):
-    """``acc`` (`_empty`'s ``(o, m, l)``) with ``q``'s attention to ``k``, ``v`` folded
-    in, one pair of chunks at a time (a ``[B, c, K, G, c]`` block of scores)."""
-    size = layout.size
-    axes = _varying(*acc, q, k, v)
-
-    def compute(acc, i, j, mask):
-        part = tuple(_chunk(x, i, size) for x in acc)
-        new = _attend(part, _chunk(q, i, size), _chunk(k, j, size), _chunk(v, j, size), mask)
-        return tuple(_put_chunk(x, i, size, vary(y, axes)) for x, y in zip(acc, new))
-
-    acc = tuple(vary(x, axes) for x in acc)
-    return _pair_loop(layout, compute, acc)
-
-
-def _grads(q, d_out, lse, delta, k, v, layout: _Layout):
-    """Flash attention's backward over ``layout``'s visible pairs of chunks: float32
-    gradients of ``q``, ``k`` and ``v``."""
-    size = layout.size
-    axes = _varying(q, d_out, lse, k, v)
-
-    def compute(grads, i, j, mask):
-        rows = [_chunk(x, i, size) for x in (q, d_out, lse, delta)]
-        parts = _block_grads(*rows, _chunk(k, j, size), _chunk(v, j, size), mask)
-        return tuple(
-            _put_chunk(g, c, size, _chunk(g, c, size) + vary(p, axes))
-            for g, c, p in zip(grads, (i, j, j), parts)
-        )
-
-    return _pair_loop(layout, compute, _zero_grads((q, k, v), d_out, lse))
+        after, level = rows[:, None] > cols[None, :], rows[:, None] == cols[None, :]
+        return [
+            (np.argwhere(x).astype(np.int32), causal)
+            for x, causal in ((after, False), (level, True))
+        ]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _blocked_attention(q, k, v, layout: _Layout) -> jax.Array:
-    """``q [B, Tq, K, G, D]``'s attention to ``k``, ``v`` (float32 output), chunk by
-    chunk, with flash attention's backward: no ``[Tq, Tk]`` scores in either."""
-    return _blocked_forward(q, k, v, layout)[0]
+def _gathered_attention(q, kv_all, ids, layout: _Layout) -> jax.Array:
+    """This shard's ``q [B, T/CP, K, G, D]`` (segment ``ids`` or None) attending to the
+    gathered keys and values ``kv_all`` (and their ids; float32 output): shard by
+    shard of the keys, each laid out as a ring hop's (`_by_case`), so that only
+    visible pairs of chunks are computed."""
+    return _gathered_forward(q, kv_all, ids, layout)[0]
 
 
-def _blocked_forward(q, k, v, layout):
-    out, lse = _normalized(_fold(_empty(q, k, v), q, k, v, layout))
-    return out, (q, k, v, out, lse)
+def _segments(ids, kv):
+    """`replicator.flash`'s segments: the queries' ids and those that came with ``kv``."""
+    return None if ids is None else (ids, kv[2])
 
 
-def _blocked_backward(layout, saved, d_out):
-    q, k, v, out, lse = saved
-    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
-    grads = _grads(q, d_out, lse, delta, k, v, layout)
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-
-_blocked_attention.defvjp(_blocked_forward, _blocked_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gathered_attention(q, k_all, v_all, layout: _Layout) -> jax.Array:
-    """This shard's ``q [B, T/CP, K, G, D]`` attending to the gathered ``k_all``,
-    ``v_all`` (float32 output): shard by shard of the keys, each laid out as a ring
-    hop's (`_by_case`), so that only visible pairs of chunks are computed."""
-    return _gathered_forward(q, k_all, v_all, layout)[0]
-
-
-def _source_blocks(fn, carry, k_all, v_all, layout: _Layout):
-    """``carry = fn(carry, j, k_j, v_j, hop)`` over the key shards ``j = s - t`` for
+def _source_blocks(fn, carry, kv_all, layout: _Layout):
+    """``carry = fn(carry, j, kv_j, hop)`` over the key shards ``j = s - t`` for
     ``t = 0 .. CP - 1``, as the ring meets them (`_by_case`)."""
-    s, length = jax.lax.axis_index(layout.axis), k_all.shape[1] // layout.cp
+    s, length = jax.lax.axis_index(layout.axis), kv_all[0].shape[1] // layout.cp
 
     def step(carry, t):
         j = (s - t) % layout.cp
-        k_j, v_j = (jax.lax.dynamic_slice_in_dim(x, j * length, length, 1) for x in (k_all, v_all))
-        return _by_case(lambda hop: fn(carry, j, k_j, v_j, hop), t, s, layout)
+        kv_j = tuple(jax.lax.dynamic_slice_in_dim(x, j * length, length, 1) for x in kv_all)
+        return _by_case(lambda hop: fn(carry, j, kv_j, hop), t, s, layout)
 
     carry = step(carry, 0)
     return jax.lax.scan(lambda c, t: (step(c, t), None), carry, jnp.arange(1, layout.cp))[0]
 
 
-def _gathered_forward(q, k_all, v_all, layout):
-    def fold(acc, j, k_j, v_j, hop):
-        return _fold(acc, q, k_j, v_j, hop)
+def _gathered_forward(q, kv_all, ids, layout):
+    def fold(acc, j, kv_j, hop):
+        return flash.fold(acc, q, *kv_j[:2], hop, _segments(ids, kv_j))
 
-    out, lse = _normalized(_source_blocks(fold, _empty(q, k_all, v_all), k_all, v_all, layout))
-    return out, (q, k_all, v_all, out, lse)
+    empty = flash.empty(q, *kv_all[:2])
+    out, lse = flash.finish(_source_blocks(fold, empty, kv_all, layout))
+    return out, (q, kv_all, ids, out, lse)
 
 
 def _gathered_backward(layout, saved, d_out):
-    q, k_all, v_all, out, lse = saved
+    q, kv_all, ids, out, lse = saved
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
-    length = k_all.shape[1] // layout.cp
+    length = kv_all[0].shape[1] // layout.cp
 
-    def pull(grads, j, k_j, v_j, hop):
-        gq, gk, gv = _grads(q, d_out, lse, delta, k_j, v_j, hop)
+    def pull(grads, j, kv_j, hop):
+        segments = _segments(ids, kv_j)
+        gq, gk, gv = flash.fold_grads(q, d_out, lse, delta, *kv_j[:2], hop, segments)
         d_q, d_k, d_v = grads
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=j * length, axis=1)
         return d_q + gq, put(d_k, gk), put(d_v, gv)
 
-    zeros = _zero_grads((q, k_all, v_all), d_out, lse)
-    grads = _source_blocks(pull, zeros, k_all, v_all, layout)
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k_all, v_all)))
+    zeros = flash.zero_grads((q, *kv_all[:2]), d_out, lse)
+    d_q, d_k, d_v = _source_blocks(pull, zeros, kv_all, layout)
+    d_kv = (d_k.astype(kv_all[0].dtype), d_v.astype(kv_all[1].dtype), *[None] * len(kv_all[2:]))
+    return d_q.astype(q.dtype), d_kv, None
 
 
 _gathered_attention.defvjp(_gathered_forward, _gathered_backward)
-
-
-# Online softmax over blocks of keys: ``(o, m, l)`` per query row, the weighted sum
-# of values, the running maximum score and the sum of ``exp(score - m)``.
-
-
-def _empty(q, *others):
-    axes = _varying(q, *others)
-    zeros = vary(jnp.zeros(q.shape[:-1], _F32), axes)
-    return vary(jnp.zeros(q.shape, _F32), axes), zeros - jnp.inf, zeros
-
-
-def _normalized(acc):
-    """A finished online softmax ``(o, m, l)``'s output and log-sum-exp."""
-    o, m, total = acc
-    return o / total[..., None], m + jnp.log(total)
-
-
-def _zero_grads(xs, *others):
-    """Float32 zeros shaped like ``xs``, varying over every axis ``xs`` and ``others``
-    vary over (a gradient accumulator that any block may add to)."""
-    axes = _varying(*xs, *others)
-    return tuple(vary(jnp.zeros(x.shape, _F32), axes) for x in xs)
-
-
-def _varying(*xs) -> tuple[str, ...]:
-    return tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))))
-
-
-def _scores(q, k, mask):
-    """``q k^T / sqrt(D)`` in float32 ``[B, Tq, K, G, Tk]``, -inf where ``mask`` (None:
-    nothing) hides."""
-    scores = jnp.einsum("bqkgd,bskd->bqkgs", q, k, preferred_element_type=_F32)
-    scores = scores * (1 / math.sqrt(q.shape[-1]))
-    if mask is None:
-        return scores
-    return jnp.where(jnp.asarray(mask)[None, :, None, None, :], scores, -jnp.inf)
-
-
-def _attend(acc, q, k, v, mask):
-    """``acc`` with ``q``'s attention to one block of keys folded in."""
-    o, m, total = acc
-    scores = _scores(q, k, mask)
-    # The maximum only keeps exp() in range: the result does not depend on it.
-    m_new = jax.lax.stop_gradient(jnp.maximum(m, scores.max(-1)))
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet
-    p = jnp.exp(scores - shift[..., None])
-    fade = jnp.exp(m - shift)
-    pv = jnp.einsum("bqkgs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=_F32)
-    return o * fade[..., None] + pv, m_new, total * fade + p.sum(-1)
-
-
-def _block_grads(q, d_out, lse, delta, k, v, mask):
-    """Flash attention's backward for one block: the gradients of ``q``, ``k`` and ``v``."""
-    p = jnp.exp(_scores(q, k, mask) - lse[..., None])  # the probabilities, 0 where hidden
-    scale = 1 / math.sqrt(q.shape[-1])
-    d_v = jnp.einsum("bqkgs,bqkgd->bskd", p, d_out, preferred_element_type=_F32)
-    d_p = jnp.einsum("bqkgd,bskd->bqkgs", d_out, v, preferred_element_type=_F32)
-    d_s = p * (d_p - delta[..., None]) * scale
-    d_q = jnp.einsum("bqkgs,bskd->bqkgd", d_s, k, preferred_element_type=_F32)
-    d_k = jnp.einsum("bqkgs,bqkgd->bskd", d_s, q, preferred_element_type=_F32)
-    return d_q, d_k, d_v
 
 
 # ------------------------------------------------------------ the ring
@@ -672,25 +557,28 @@ def _ring_loop(step, carry, kv, axis: str, cp: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring_attention(q, k, v, layout: _Layout) -> jax.Array:
-    """Ring attention of this shard's ``q [B, T, K, G, D]`` (float32 output)."""
-    return _ring_forward(q, k, v, layout)[0]
+def _ring_attention(q, kv, ids, layout: _Layout) -> jax.Array:
+    """Ring attention of this shard's ``q [B, T, K, G, D]`` (segment ``ids`` or None)
+    to every shard's keys and values ``kv`` (their ids with them); float32 output."""
+    return _ring_forward(q, kv, ids, layout)[0]
 
 
-def _ring_forward(q, k, v, layout):
+def _ring_forward(q, kv, ids, layout):
     s = jax.lax.axis_index(layout.axis)
 
     def step(acc, kv, t):
-        return _by_case(lambda hop: _fold(acc, q, *kv, hop), t, s, layout)
+        fold = lambda hop: flash.fold(acc, q, *kv[:2], hop, _segments(ids, kv))  # noqa: E731
+        return _by_case(fold, t, s, layout)
 
-    out, lse = _normalized(_ring_loop(step, _empty(q, k, v), (k, v), layout.axis, layout.cp))
-    return out, (q, k, v, out, lse)
+    acc = _ring_loop(step, flash.empty(q, *kv[:2]), kv, layout.axis, layout.cp)
+    out, lse = flash.finish(acc)
+    return out, (q, kv, ids, out, lse)
 
 
 def _ring_backward(layout, saved, d_out):
     """The gradients: the key/value blocks go round again, each with the gradient its
     keys and values gathered so far, which a last hop takes home."""
-    q, k, v, out, lse = saved
+    q, kv, ids, out, lse = saved
     axis, cp = layout.axis, layout.cp
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
     s = jax.lax.axis_index(axis)
@@ -699,13 +587,16 @@ def _ring_backward(layout, saved, d_out):
         d_q, d_kv = carry
         if not (isinstance(t, int) and t == 0):
             d_kv = _send(d_kv, axis, cp)  # with the block that arrived for this hop
-        gq, gk, gv = _by_case(lambda hop: _grads(q, d_out, lse, delta, *kv, hop), t, s, layout)
+        segments = _segments(ids, kv)
+        pull = lambda hop: flash.fold_grads(q, d_out, lse, delta, *kv[:2], hop, segments)  # noqa: E731
+        gq, gk, gv = _by_case(pull, t, s, layout)
         return d_q + gq, (d_kv[0] + gk, d_kv[1] + gv)
 
-    zeros = _zero_grads((q, k, v), d_out, lse)
-    d_q, d_kv = _ring_loop(step, (zeros[0], zeros[1:]), (k, v), axis, cp)
+    zeros = flash.zero_grads((q, *kv[:2]), d_out, lse)
+    d_q, d_kv = _ring_loop(step, (zeros[0], zeros[1:]), kv, axis, cp)
     d_k, d_v = _send(d_kv, axis, cp)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+    d_kv = (d_k.astype(kv[0].dtype), d_v.astype(kv[1].dtype), *[None] * len(kv[2:]))
+    return d_q.astype(q.dtype), d_kv, None
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)
@@ -747,7 +638,12 @@ def _is_manual(axis: str) -> bool:
     return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual
 
 
-def _check_inputs(q, k, v, strategy: str) -> None:
+def _check_inputs(q, k, v, strategy: str, segment_ids) -> None:
+    if segment_ids is not None and tuple(jnp.shape(segment_ids)) != tuple(q.shape[:2]):
+        raise ValueError(
+            f"context_attention: segment_ids {jnp.shape(segment_ids)}: expected [batch, time] "
+            f"= {tuple(q.shape[:2])}, aligned and split like the queries."
+        )
     if strategy not in STRATEGIES:
         raise ValueError(f"context_attention: strategy={strategy!r}; use one of {STRATEGIES}.")
     ok = (

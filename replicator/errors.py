@@ -73,6 +73,10 @@ class DatasetNotPreparedError(DatasetError):
     """A dataset's files are missing and cannot be built on this machine."""
 
 
+class WorkdirBusyError(UserError):
+    """Another run holds the workdir's lease (`replicator.trainer.lease`)."""
+
+
 class LaunchError(UserError):
     """A launch that cannot go ahead (no gcloud, no account, no TPU of that name)."""
 

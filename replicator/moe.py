@@ -51,6 +51,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from replicator.context import get_replica_context, vary, varying_axes
+from replicator.errors import ConfigError
 
 EXPERT_AXIS = "expert"
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")  # the stacked ``[E, ...]`` leaves of the parameters
@@ -542,16 +543,16 @@ def _is_manual(axis: str) -> bool:
 
 def _check(params, num_experts, experts_per_token, capacity_factor, shards, axis) -> None:
     if not 1 <= experts_per_token <= num_experts:
-        raise ValueError(
+        raise ConfigError(
             f"moe: experts_per_token={experts_per_token} must be between 1 and "
             f"num_experts={num_experts}."
         )
     if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(
+        raise ConfigError(
             f"moe: capacity_factor={capacity_factor} must be > 0, or None for dropless routing."
         )
     if num_experts % shards:
-        raise ValueError(
+        raise ConfigError(
             f"moe: {num_experts} experts do not split over the {shards} devices of mesh "
             f"axis {axis!r}; choose a number of experts divisible by {shards}."
         )

@@ -103,7 +103,8 @@ class Replicator:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
-        return f"Replicator({axes}; {self.num_replicas} replicas; {self.precision.name})"
+        replicas = f"{self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}"
+        return f"Replicator({axes}; {replicas}; {self.precision.name})"
 
     @contextlib.contextmanager
     def context(self) -> Iterator[Replicator]:

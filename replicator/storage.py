@@ -263,7 +263,7 @@ def failure(error: BaseException, what: str, url: str) -> StorageError | None:
 
     No answer (refused or dropped connections, time-outs, server errors,
     tensorstore's retries spent) is a `StorageUnavailableError`, past the deadline
-    from then on; a refusal (no permission), a `StorageError`.
+    from then on, as is an upload the service lost; a refusal (no permission), a `StorageError`.
 
     >>> failure(ConnectionRefusedError(111, "Connection refused"), "save", "gs://b/c")
     StorageUnavailableError('cannot save gs://b/c: the storage service did not answer (ConnectionRefusedError: [Errno 111] Connection refused)')
@@ -281,6 +281,9 @@ def failure(error: BaseException, what: str, url: str) -> StorageError | None:
             return StorageUnavailableError(text)
         if isinstance(e, PermissionError) or _forbidden(e) or "PERMISSION_DENIED" in str(e):
             return StorageError(f"cannot {what} {url}: {_reason(e)}")
+        if isinstance(e, FileNotFoundError) and "/upload/storage/" in str(e):
+            lost = f"the storage service lost an upload ({_reason(e)})"
+            return StorageUnavailableError(f"cannot {what} {url}: {lost}")
     return None
 
 
@@ -678,12 +681,10 @@ def _remove_orphaned_mirrors() -> None:
 
 def _is_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)  # (PermissionError: another user's)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+        os.kill(pid, 0)
+        return True
+    except OSError as e:
+        return isinstance(e, PermissionError)  # another user's: alive
 
 
 def _close_open_mirrors() -> None:

@@ -131,6 +131,8 @@ def test_missing_config_file_and_flags_are_one_line(tmp_path):
                    env={"REPLICATOR_DEBUG": "1"})  # fmt: skip
     assert done.returncode == 2 and "Traceback (most recent call last)" in done.stderr
     assert_one_line_error(run_cli("train", *SMOKE), "--workdir is required")
+    assert_one_line_error(run_cli("eval", "--workdir", workdir), f"{workdir} does not exist (a")
+    os.makedirs(workdir)  # a directory, but no run's
     assert_one_line_error(run_cli("eval", "--workdir", workdir), "config.json does not exist")
 
 

@@ -112,6 +112,8 @@ OVERRIDES = {
     "model": "{'anything': 1}",
     "dataset": "digits/other",
     "data_dir": "/tmp/tfds",
+    "tokenizer": "/tmp/tokenizer.json",
+    "pack_documents": "True",
     "train_split": "train[:50%]",
     "eval_split": "train[50%:]",
     "batch_size": "48",

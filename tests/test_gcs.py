@@ -177,7 +177,7 @@ def test_a_bucket_one_cannot_write_is_one_line_and_writes_nothing(tmp_path, gcs_
 
     bucket = f"readonly-{os.urandom(6).hex()}"  # the server refuses writes there (403)
     fsspec.filesystem("gcs").mkdir(bucket)
-    expected = {"train": "permission denied: .* storage.objects.create", "eval": "not a "}
+    expected = {"train": "permission denied: .* storage.objects.create", "eval": "does not exist"}
     for command in (["train", "--config", CONFIG], ["eval"]):
         start = time.monotonic()
         proc = replicator_command(*command, "--workdir", f"gs://{bucket}/run", cwd=tmp_path)

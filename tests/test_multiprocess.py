@@ -132,7 +132,7 @@ def test_a_dead_worker_stops_the_launch(tmp_path, digits_data_dir):
     killed_at = time.monotonic()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "process 1 failed with exit code -9" in out
+    assert "process 1 was killed (SIGKILL), not a failure of the run: rerun the same" in out
     assert time.monotonic() - killed_at < 60
 
 

@@ -225,6 +225,19 @@ def test_two_slices_send_only_the_data_axis_across_them(stdlib_dir):
     assert report.train.roofline["dcn_s"] > 0
 
 
+@pytest.mark.slow  # 20 s: tests/test_packing.py compiles segmented splash alone on every run
+@needs_libtpu
+def test_packed_documents_compile_to_segmented_splash_on_a_tpu(stdlib_dir, tmp_path):
+    from replicator.trainer import aot
+
+    config = load_config("lm_tiny", data_dir=stdlib_dir, pack_documents=True, step_path="compile")
+    aot.compile_for_topology(config, "v5e-4", workdir=str(tmp_path))
+    hlo = {s: (tmp_path / "compile" / f"{s}_step.hlo.txt").read_text() for s in ("train", "eval")}
+    # Pallas names the kernels that take SegmentIds so: forward, and the train step's backward.
+    assert "splash_mha_fwd_segmented" in hlo["eval"]
+    assert all(f"splash_mha_{k}_segmented" in hlo["train"] for k in ("fwd", "dq", "dkv"))
+
+
 @needs_libtpu
 def test_launch_tpu_refuses_a_run_that_does_not_fit(tmp_path, digits_data_dir):
     train = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run",

@@ -21,6 +21,7 @@ import optax
 import replicator as rp
 from experiments.classify.model import CNN
 from experiments.classify.resnet import ResNet
+from experiments.classify.vit import ViT, check_shape
 from replicator.trainer import ConfigError, Experiment, Settings
 
 
@@ -62,24 +63,41 @@ def classifier(
     stage_sizes: Sequence[int] = (2, 2, 2, 2),
     num_filters: int = 64,
     small_inputs: bool = True,
+    image_size: int | None = None,
+    patch_size: int = 4,
+    embed_dim: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    mlp_dim: int = 128,
+    norm_eps: float = 1e-6,
+    qkv_bias: bool = True,
+    num_channels: int = 3,
 ) -> Experiment:
     """The classification experiment.
 
     Args:
       settings: from the trainer.
-      arch: ``"cnn"`` (the tf.distribute tutorial's) or ``"resnet"`` (flax's
-        ImageNet example's, with cross-replica BatchNorm).
+      arch: ``"cnn"`` (the tf.distribute tutorial's), ``"resnet"`` (flax's
+        ImageNet example's, with cross-replica BatchNorm) or ``"vit"`` (a Vision
+        Transformer, big_vision's and Hugging Face's; ``init_from='hf:DIR'`` loads a
+        ``ViTModel`` or ``ViTForImageClassification``, `experiments.classify.hf`).
       num_classes: size of the output layer.
       conv_features, dense_features, padding: the CNN's.
       stage_sizes, num_filters, small_inputs: the ResNet's.
+      image_size, patch_size, embed_dim, num_layers, num_heads, mlp_dim, norm_eps,
+        qkv_bias, num_channels: the ViT's (`experiments.classify.vit.ViT`).
     """
     repl = settings.repl
     if arch == "cnn":
         module = CNN(num_classes, tuple(conv_features), dense_features, padding)
     elif arch == "resnet":
         module = ResNet(tuple(stage_sizes), num_classes, num_filters, repl.axis_name, small_inputs)
+    elif arch == "vit":
+        check_shape(image_size, patch_size, embed_dim, num_heads)
+        module = ViT(num_classes, image_size, patch_size, embed_dim, num_layers, num_heads,
+                     mlp_dim, norm_eps, qkv_bias, num_channels)  # fmt: skip
     else:
-        raise ConfigError(f"config.model.arch={arch!r}: choose 'cnn' or 'resnet'.")
+        raise ConfigError(f"config.model.arch={arch!r}: choose 'cnn', 'resnet' or 'vit'.")
     model = repl.apply_policy(module)
     with_state = arch == "resnet"
     tx = settings.make_optimizer()

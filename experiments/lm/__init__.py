@@ -6,8 +6,10 @@
 """
 
 import experiments.datasets.text  # noqa: F401  (registers the text builders with tfds)
+from experiments.lm.hf import hf_checkpoint as hf_checkpoint
 from experiments.lm.model import Transformer as Transformer
 from experiments.lm.model import count_params as count_params
+from experiments.lm.sample import make_sampler as make_sampler
 from experiments.lm.task import make_experiment as make_experiment
 from experiments.lm.task import make_preprocess as make_preprocess
 from experiments.lm.task import summarize as summarize

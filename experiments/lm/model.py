@@ -1,11 +1,14 @@
-"""A decoder-only transformer of the GPT-2 / nanoGPT shape, annotated for sharding.
+"""A decoder-only transformer: GPT-2's block or the Llama family's, annotated for sharding.
 
-Token embedding plus learned (or rotary) positions, pre-LayerNorm blocks of
-causal self-attention and a GELU MLP, a final LayerNorm, and output logits
-through the tied token embedding (or a separate head). The blocks are one
-``nn.scan`` over parameters stacked on a ``layers`` axis (MaxText's
-``scan_layers``), rematerialised by a named policy (`replicator.remat`), and
-attention goes through each backend's fused kernel
+Token embedding plus learned (or rotary) positions, pre-norm blocks of causal
+self-attention and an MLP, a final norm, and output logits through the tied token
+embedding (or a separate head). The block is GPT-2's (LayerNorm, fused q/k/v, GELU,
+biases) or, by the model keys ``norm``, ``mlp_activation``, ``num_kv_heads``,
+``head_dim``, ``rope_theta``, ``rope_scaling`` and ``qkv_bias``, the Llama family's
+(RMSNorm, grouped-query attention, SwiGLU, Llama 3's rotary scaling; `experiments.lm.layers`).
+The blocks are one ``nn.scan`` over parameters stacked on a ``layers`` axis
+(MaxText's ``scan_layers``), rematerialised by a named policy (`replicator.remat`),
+and attention goes through each backend's fused kernel
 (`replicator.attention.causal_attention`: splash on TPU, cuDNN on GPU).
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`):
@@ -25,17 +28,29 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.linen.dtypes import promote_dtype
-from jax.ad_checkpoint import checkpoint_name
 
+from experiments.lm import kv_cache
+from experiments.lm.layers import (  # noqa: F401  (apply_rotary: part of this module's API)
+    EMBED,
+    MLP_ACTIVATIONS,
+    NORMS,
+    VOCAB,
+    ACTIVATION_BxTxE,
+    FeedForward,
+    GatedFeedForward,
+    SelfAttention,
+    apply_rotary,
+    check_rope_scaling,
+    make_norm,
+    normal,
+)
 from replicator import attention as attention_lib
 from replicator import remat as remat_lib
 from replicator.activations import constrain
 from replicator.context_parallel import (
     STRATEGIES,
-    context_attention,
     context_positions,
     context_size,
     gather_sequence,
@@ -47,151 +62,18 @@ from replicator.context_parallel import (
 from replicator.moe import MoEFeedForward
 from replicator.pipelining import pipeline, stage_count
 
-VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
-# The activations' logical axes (MaxText's names): the rules table shards them under
-# `Replicator.compile` (`replicator.activations.constrain`); under `run` they are no-ops.
-ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
-ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
-ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
 ATTENTION_IMPLEMENTATIONS = attention_lib.IMPLEMENTATIONS
 
 
-def _normal(stddev: float, names: tuple[str | None, ...]) -> Any:
-    return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
-
-
-def _zeros(names: tuple[str | None, ...]) -> Any:
-    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-def _ones(names: tuple[str | None, ...]) -> Any:
-    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
-
-
-def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=1e-5,
-        dtype=dtype,
-        scale_init=_ones((EMBED,)),
-        bias_init=_zeros((EMBED,)),
-        name=name,
-    )
-
-
-def apply_rotary(
-    x_BxTxHxD: jax.Array, base: float = 10_000.0, positions_T: Any = None
-) -> jax.Array:
-    """Rotary position embedding (RoFormer; GPT-NeoX's half-split layout) of queries or keys.
-
-    Pairs feature ``i`` with ``i + D/2`` and rotates each pair by ``t * base**(-2i/D)``
-    at position ``t`` (``positions_T``, default ``0 .. T - 1``: a load-balanced
-    sequence's are `context_positions`), so that query-key products depend on
-    relative position only.
-
-    >>> x = jnp.ones((1, 3, 1, 4))
-    >>> bool(jnp.allclose(apply_rotary(x)[:, 0], x[:, 0]))  # position 0: unchanged
-    True
-    """
-    half = x_BxTxHxD.shape[-1] // 2
-    frequencies_D2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if positions_T is None:
-        positions_T = np.arange(x_BxTxHxD.shape[1])
-    angles_TxD2 = jnp.asarray(positions_T, jnp.float32)[:, None] * frequencies_D2
-    cos = jnp.cos(angles_TxD2)[None, :, None, :]
-    sin = jnp.sin(angles_TxD2)[None, :, None, :]
-    x1, x2 = x_BxTxHxD[..., :half].astype(jnp.float32), x_BxTxHxD[..., half:].astype(jnp.float32)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BxTxHxD.dtype)
-
-
-class SelfAttention(nn.Module):
-    """Causal multi-head self-attention: fused q/k/v projection, attention, output projection."""
-
-    num_heads: int
-    head_dim: int
-    out_stddev: float
-    rotary: bool
-    use_bias: bool
-    attention: str
-    dtype: Any
-    context_strategy: str = "gather"
-    context_load_balance: bool = False
-
-    @nn.compact
-    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
-        embed_dim = x_BxTxE.shape[-1]
-        shape = (embed_dim, 3, self.num_heads, self.head_dim)
-        qkv_kernel = self.param("qkv_kernel", _normal(0.02, (EMBED, None, HEADS, KV)), shape)
-        x_BxTxE, qkv_kernel = nn.dtypes.promote_dtype(x_BxTxE, qkv_kernel, dtype=self.dtype)
-        qkv_BxTx3xHxD = jnp.einsum("bte,ekhd->btkhd", x_BxTxE, qkv_kernel)
-        if self.use_bias:
-            bias = self.param("qkv_bias", _zeros((None, HEADS, KV)), shape[1:])
-            qkv_BxTx3xHxD = qkv_BxTx3xHxD + jnp.asarray(bias, qkv_BxTx3xHxD.dtype)
-        qkv_BxTx3xHxD = checkpoint_name(qkv_BxTx3xHxD, "qkv_proj")
-        q, k, v = (constrain(qkv_BxTx3xHxD[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
-        cp = context_size()
-        balanced = self.context_load_balance and cp > 1
-        if self.rotary:  # the original positions, of this device's block where split
-            positions = sequence_positions(q, balanced)
-            q, k = apply_rotary(q, positions_T=positions), apply_rotary(k, positions_T=positions)
-        # Over a "context" axis the sequence's blocks attend across devices
-        # (`replicator.context_parallel`); without one this is `causal_attention`.
-        out_BxTxHxD = context_attention(
-            q, k, v, strategy=self.context_strategy, load_balanced=balanced,
-            implementation=self.attention,
-        )  # fmt: skip
-        out_BxTxHxD = checkpoint_name(constrain(out_BxTxHxD, ACTIVATION_BxTxHxD), "context")
-        out_shape = (self.num_heads, self.head_dim, embed_dim)
-        out_kernel = self.param(
-            "out_kernel", _normal(self.out_stddev, (HEADS, KV, EMBED)), out_shape
-        )
-        y_BxTxE = jnp.einsum(
-            "bthd,hde->bte", out_BxTxHxD, jnp.asarray(out_kernel, out_BxTxHxD.dtype)
-        )
-        if self.use_bias:
-            bias = self.param("out_bias", _zeros((EMBED,)), (embed_dim,))
-            y_BxTxE = y_BxTxE + jnp.asarray(bias, y_BxTxE.dtype)
-        return checkpoint_name(y_BxTxE, "out_proj")
-
-
-class FeedForward(nn.Module):
-    """Dense to ``mlp_dim``, GELU, dense back to the embedding width."""
-
-    mlp_dim: int
-    out_stddev: float
-    use_bias: bool
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
-        embed_dim = x_BxTxE.shape[-1]
-        hidden = nn.Dense(
-            self.mlp_dim,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            kernel_init=_normal(0.02, (EMBED, MLP)),
-            bias_init=_zeros((MLP,)),
-            name="fc",
-        )(x_BxTxE)
-        hidden = checkpoint_name(constrain(hidden, ACTIVATION_BxTxM), "mlpwi")
-        out = nn.Dense(
-            embed_dim,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            kernel_init=_normal(self.out_stddev, (MLP, EMBED)),
-            bias_init=_zeros((EMBED,)),
-            name="proj",
-        )(nn.gelu(hidden))
-        return checkpoint_name(out, "mlpwo")
-
-
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``;
+    """A pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``;
     with ``num_experts`` the MLP is a mixture of experts (`replicator.moe`), whose
     `MoEAux` it sows as ``intermediates/.../moe_aux``.
 
-    ``scanned``: called by ``nn.scan`` over a stack of blocks, so it takes and
-    returns ``(x, None)`` (the scan's carry and per-layer output)."""
+    ``scanned``: called by ``nn.scan`` over a stack of blocks, so it returns ``(x,
+    None)`` (the scan's carry and per-layer output). ``positions`` (rotary, per
+    row) and ``segment_ids`` reach the attention (None: the sequence's own positions,
+    one segment)."""
 
     num_heads: int
     head_dim: int
@@ -209,25 +91,36 @@ class Block(nn.Module):
     num_experts: int | None = None
     experts_per_token: int = 2
     expert_capacity_factor: float | None = 1.25
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp_activation: str = "gelu"
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    rope_theta: float = 10_000.0
+    rope_scaling: tuple | None = None
 
     @nn.compact
-    def __call__(self, x_BxTxE: jax.Array, _: Any = None) -> Any:
+    def __call__(
+        self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None,
+        cache: Any = None, cache_at: Any = None,
+    ) -> Any:  # fmt: skip
+        """Decoding, ``cache`` is this layer's ``(k, v)`` and ``cache_at`` ``(index,
+        mask)`` (`experiments.lm.kv_cache`); the block then returns ``(x, new (k, v))``."""
         dropout = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)
-        h = _layer_norm(self.dtype, "ln_attention")(x_BxTxE)
+        decoding = {} if cache is None else {"cache": (cache, cache_at)}
+        h = make_norm(self.norm, self.norm_eps, self.dtype, "ln_attention")(x_BxTxE)
         h = SelfAttention(
-            self.num_heads,
-            self.head_dim,
-            self.out_stddev,
-            self.rotary,
-            self.use_bias,
-            self.attention,
-            self.dtype,
-            self.context_strategy,
-            self.context_load_balance,
+            num_heads=self.num_heads, head_dim=self.head_dim, out_stddev=self.out_stddev,
+            rotary=self.rotary, use_bias=self.use_bias, attention=self.attention,
+            dtype=self.dtype, context_strategy=self.context_strategy,
+            context_load_balance=self.context_load_balance, num_kv_heads=self.num_kv_heads,
+            qkv_bias=self.qkv_bias, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             name="attention",
-        )(h)
+        )(h, positions, segment_ids, **decoding)  # fmt: skip
+        h, new_kv = h if decoding else (h, None)
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
-        h = _layer_norm(self.dtype, "ln_mlp")(x_BxTxE)
+        h = make_norm(self.norm, self.norm_eps, self.dtype, "ln_mlp")(x_BxTxE)
+        swiglu = self.mlp_activation == "swiglu"
         if self.num_experts:
             # Load-balanced tokens are stored out of order: capacity queues follow
             # their positions, so the tokens that drop are those one device drops.
@@ -240,13 +133,17 @@ class Block(nn.Module):
             )
             h, aux = MoEFeedForward(
                 self.num_experts, self.experts_per_token, self.mlp_dim,
-                self.expert_capacity_factor, activation=nn.gelu, name="moe",
+                self.expert_capacity_factor, gated=swiglu,
+                activation=nn.silu if swiglu else nn.gelu, name="moe",
             )(h, token_order=order)  # fmt: skip
             self.sow("intermediates", "moe_aux", aux)
         else:
-            h = FeedForward(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
+            mlp = GatedFeedForward if swiglu else FeedForward
+            h = mlp(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
-        return (x_BxTxE, None) if self.scanned else x_BxTxE
+        if self.scanned:
+            return x_BxTxE, new_kv  # new_kv: the scan's per-layer output
+        return x_BxTxE if new_kv is None else (x_BxTxE, new_kv)
 
 
 class BlockGroup(nn.Module):
@@ -259,12 +156,13 @@ class BlockGroup(nn.Module):
     scanned: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxE: jax.Array, _: Any = None) -> Any:
+    def __call__(self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None):
         kwargs = dict(self.kwargs)
         num_experts = kwargs.pop("num_experts")
         for i in range(self.every):
             moe = num_experts if i == self.every - 1 else None
-            x_BxTxE = self.block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE)
+            block = self.block(**kwargs, num_experts=moe, name=f"block_{i}")
+            x_BxTxE = block(x_BxTxE, positions, segment_ids)
         return (x_BxTxE, None) if self.scanned else x_BxTxE
 
 
@@ -277,7 +175,7 @@ class Head(nn.Module):
     in_features: int
 
     def setup(self):
-        init = _normal(0.02, (EMBED, VOCAB))
+        init = normal(0.02, (EMBED, VOCAB))
         self.kernel = self.param("kernel", init, (self.in_features, self.features))
 
 
@@ -328,7 +226,8 @@ class Transformer(nn.Module):
       vocab_size: tokens are ``0 .. vocab_size - 1`` (256 for bytes; pad a
         tokenizer's vocabulary to a multiple of 128 for fast matmuls).
       num_layers: transformer blocks.
-      num_heads: attention heads; ``embed_dim`` must divide by it.
+      num_heads: attention (query) heads; ``embed_dim`` must divide by it unless
+        ``head_dim`` is set.
       embed_dim: the residual stream's width.
       mlp_dim: the MLP's hidden width; None means ``4 * embed_dim``.
       max_len: the longest sequence (the context); a longer input is an error.
@@ -352,6 +251,22 @@ class Transformer(nn.Module):
         logits this many positions of the sequence at a time, recomputed in the
         backward pass: the ``[batch, time, vocab]`` logits never exist at once
         (`chunked_token_nats`). None or 0: all positions at once.
+      norm: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale).
+      norm_eps: the norms' epsilon (GPT-2 and Llama 3: 1e-5; Llama 2: 1e-6).
+      mlp_activation: ``"gelu"`` (GPT-2's two matrices ``fc``/``proj``, tanh GELU)
+        or ``"swiglu"`` (Llama's three, ``gate``/``up``/``down``; the experts of a
+        mixture of experts gated alike).
+      num_kv_heads: None: one fused q/k/v projection (GPT-2's ``qkv_kernel``);
+        else separate ``q_kernel`` and ``kv_kernel`` with this many key/value heads,
+        dividing ``num_heads`` (grouped-query attention when fewer).
+      head_dim: each head's width; None means ``embed_dim // num_heads``.
+      rope_theta: the rotary base (``positions="rotary"``): 10,000 (GPT-NeoX,
+        Llama 2) or 500,000 (Llama 3).
+      rope_scaling: None, or Llama 3's rotary scaling, Hugging Face's dict:
+        ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+        ``original_max_position_embeddings`` (`experiments.lm.layers.rope_frequencies`).
+      qkv_bias: biases on the q/k/v projections; None follows ``use_bias`` (Qwen2:
+        True with ``use_bias=False``, which then covers the output projection and MLP).
       dtype: compute dtype; None (the default) computes in the dtype of the
         parameters, which is how replicator's precision policy sets it.
 
@@ -386,10 +301,19 @@ class Transformer(nn.Module):
     experts_per_token: int = 2
     expert_capacity_factor: float | None = 1.25
     moe_every: int = 1
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp_activation: str = "gelu"
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10_000.0
+    rope_scaling: Any = None
+    qkv_bias: bool | None = None
     dtype: Any = None
 
-    def _blocks(self, x_BxTxE: jax.Array, train: bool) -> jax.Array:
-        """The ``num_layers`` blocks, scanned or unrolled, rematerialised by the policy."""
+    def _blocks(self, x_BxTxE: jax.Array, train: bool, *per_token: Any) -> jax.Array:
+        """The ``num_layers`` blocks, scanned or unrolled, rematerialised by the policy;
+        ``per_token``: the blocks' ``positions`` and ``segment_ids`` (or None)."""
         block = Block
         if remat_lib.is_remat(self.remat_policy):
             policy = remat_lib.checkpoint_policy(self.remat_policy)
@@ -401,7 +325,7 @@ class Transformer(nn.Module):
             experts = kwargs.pop("num_experts")
             for i in range(self.num_layers):
                 moe = experts if (i + 1) % every == 0 else None
-                x_BxTxE = block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE)
+                x_BxTxE = block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE, *per_token)
             return x_BxTxE
         if self.num_experts:  # scanned in groups of `every` blocks, the last one MoE
             scanned, kwargs = BlockGroup, dict(every=every, block=block, kwargs=kwargs)
@@ -411,18 +335,24 @@ class Transformer(nn.Module):
             scanned,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast, nn.broadcast),  # every layer sees the same positions
             length=self.num_layers // every,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         blocks = stack(**kwargs, scanned=True, name="blocks")
         if self.is_initializing() or stage_count() == 1:
-            x_BxTxE, _ = blocks(x_BxTxE, None)
+            x_BxTxE, _ = blocks(x_BxTxE, *per_token)
             return x_BxTxE
         # Over a "stage" axis: the same stacked parameters, one block per layer_fn call.
         if self.num_experts:
             raise ValueError("A pipeline does not run mixture-of-experts blocks: num_experts=0.")
         if self.dropout_rate and train:
             raise ValueError("A pipeline does not run dropout yet: set dropout_rate=0.")
+        if any(x is not None for x in per_token):
+            raise ValueError(
+                "A pipeline does not pass per-token positions or segment ids to its stages "
+                "yet: drop the 'stage' mesh axis or pack_documents."
+            )
         stacked = nn.meta.unbox(self.variables["params"]["blocks"])
 
         def layer_fn(params, h):
@@ -436,8 +366,32 @@ class Transformer(nn.Module):
             repeats=self.pipeline_repeats,
         )
 
+    def _decode_blocks(self, x_BxTxE: jax.Array, positions_BxT: Any, cache: kv_cache.KVCache):
+        """The blocks over a `kv_cache.KVCache`, scanned or unrolled as the parameters are
+        laid out, each layer reading its slice of the cache; the output and every
+        layer's new keys and values, ``[layers, batch, time, kv_heads, head_dim]``."""
+        kwargs = _block_kwargs(self, train=False)
+        at = (cache.index, kv_cache.attention_mask(cache, x_BxTxE.shape[1]))
+        if not self.scan_layers:
+            new = []
+            for i in range(self.num_layers):
+                layer = Block(**kwargs, name=f"block_{i}")
+                x_BxTxE, kv = layer(x_BxTxE, positions_BxT, None, (cache.k[i], cache.v[i]), at)
+                new.append(kv)
+            return x_BxTxE, jax.tree.map(lambda *layers: jnp.stack(layers), *new)
+        stack = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),  # the cache by layer
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        blocks = stack(**kwargs, scanned=True, name="blocks")
+        return blocks(x_BxTxE, positions_BxT, None, (cache.k, cache.v), at)
+
     def __post_init__(self):
-        if self.embed_dim % self.num_heads:
+        if self.head_dim is None and self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim={self.embed_dim} does not divide into num_heads={self.num_heads}."
             )
@@ -448,6 +402,7 @@ class Transformer(nn.Module):
                 f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
             )
         remat_lib.check_policy(self.remat_policy)
+        _check_block_keys(self)
         _check_parallel_keys(self)
         if self.pipeline_microbatches is not None or self.pipeline_repeats != 1:
             if not self.scan_layers:
@@ -456,53 +411,78 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens_BxT: jax.Array, *, train: bool = False, targets: jax.Array | None = None
-    ) -> jax.Array:
+        self,
+        tokens_BxT: jax.Array,
+        *,
+        train: bool = False,
+        targets: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: kv_cache.KVCache | None = None,
+    ) -> Any:
         """The logits ``[batch, time, vocab]``; with ``targets`` ``[batch, time]``, the
-        per-token cross-entropy in nats instead (chunked by ``loss_chunk``)."""
+        per-token cross-entropy in nats instead (chunked by ``loss_chunk``).
+
+        ``positions`` (int32 ``[batch, time]``, default ``0 .. time - 1``) are each
+        token's position in its document, for the position table or the rotary
+        embedding; ``segment_ids`` (int32 ``[batch, time]``) keep attention within
+        each segment (packed documents).
+
+        Decoding (`experiments.lm.sample`), ``cache`` is a `kv_cache.KVCache`: the
+        tokens continue it (each row's positions count from its own start), and the
+        call returns ``(logits, the cache with their keys and values)``."""
         length = tokens_BxT.shape[1]
         check_length(length, self.max_len)
+        if cache is not None:
+            positions = kv_cache.positions(cache, length)
         # Load balancing over "context": the sequence reordered once, here, so that each
         # shard holds chunks i and 2 CP - 1 - i; positions follow the tokens, the
         # per-token outputs are put back in order at the end.
         cp = context_size()
         balanced = self.context_load_balance and cp > 1
+        per_token = (tokens_BxT, targets, positions, segment_ids)
         if balanced:
-            tokens_BxT = load_balance(tokens_BxT, cp)
-            targets = None if targets is None else load_balance(targets, cp)
+            per_token = tuple(None if x is None else load_balance(x, cp) for x in per_token)
         # Under `Replicator.run` (context manual, each replica's whole sequences on
         # every context device) each device takes its block, and the per-token output
         # is gathered back at the end; elsewhere these do nothing. A mixture of
         # experts keeps whole sequences: its capacity is per sequence.
         split = not self.num_experts
         if split:
-            tokens_BxT = split_sequence(tokens_BxT)
-            targets = None if targets is None else split_sequence(targets)
-        positions_T = sequence_positions(tokens_BxT, balanced)
+            per_token = tuple(None if x is None else split_sequence(x) for x in per_token)
+        tokens_BxT, targets, positions_BxT, segment_ids = per_token
         embed = nn.Embed(
             self.vocab_size,
             self.embed_dim,
             dtype=self.dtype,
-            embedding_init=_normal(0.02, (VOCAB, EMBED)),
+            embedding_init=normal(0.02, (VOCAB, EMBED)),
             name="token_embedding",
         )
         x_BxTxE = embed(tokens_BxT)
         if self.positions == "learned":
             table = self.param(
                 "position_embedding",
-                _normal(0.02, (None, EMBED)),
+                normal(0.02, (None, EMBED)),
                 (self.max_len, self.embed_dim),
             )
-            x_BxTxE = x_BxTxE + jnp.asarray(table[positions_T], x_BxTxE.dtype)
+            if positions_BxT is None:
+                positions_BxT = sequence_positions(tokens_BxT, balanced)  # [T]
+            x_BxTxE = x_BxTxE + jnp.asarray(table[positions_BxT], x_BxTxE.dtype)
+            positions_BxT = None  # the blocks' attention needs none
         x_BxTxE = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxTxE)
 
-        x_BxTxE = self._blocks(x_BxTxE, train)
-        x_BxTxE = _layer_norm(self.dtype, "ln_final")(x_BxTxE)
+        if cache is None:
+            x_BxTxE = self._blocks(x_BxTxE, train, positions_BxT, segment_ids)
+        else:
+            x_BxTxE, new_kv = self._decode_blocks(x_BxTxE, positions_BxT, cache)
+        x_BxTxE = make_norm(self.norm, self.norm_eps, self.dtype, "ln_final")(x_BxTxE)
         if self.tie_embeddings:
             logits_fn = functools.partial(project, kernel_ExV=embed.embedding.T, dtype=self.dtype)
         else:
             head = Head(self.vocab_size, self.embed_dim, name="head")
             logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
+        if cache is not None:
+            return logits_fn(x_BxTxE), kv_cache.write(cache, *new_kv)
         if targets is None:
             out = logits_fn(x_BxTxE)
         elif not self.loss_chunk or self.loss_chunk >= tokens_BxT.shape[1]:
@@ -514,9 +494,10 @@ class Transformer(nn.Module):
 
 
 def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
+    scaling = model.rope_scaling
     return dict(
         num_heads=model.num_heads,
-        head_dim=model.embed_dim // model.num_heads,
+        head_dim=model.head_dim or model.embed_dim // model.num_heads,
         mlp_dim=model.mlp_dim or 4 * model.embed_dim,
         out_stddev=0.02 / math.sqrt(2 * model.num_layers),
         rotary=model.positions == "rotary",
@@ -530,7 +511,37 @@ def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
         num_experts=model.num_experts or None,
         experts_per_token=model.experts_per_token,
         expert_capacity_factor=model.expert_capacity_factor,
+        norm=model.norm,
+        norm_eps=model.norm_eps,
+        mlp_activation=model.mlp_activation,
+        num_kv_heads=model.num_kv_heads,
+        qkv_bias=model.qkv_bias,
+        rope_theta=model.rope_theta,
+        # Hashable, as a module's attributes had better be.
+        rope_scaling=None if scaling is None else tuple(sorted(dict(scaling).items())),
     )
+
+
+def _check_block_keys(model: Transformer) -> None:
+    """One-line errors for block keys (norm, MLP, heads, rotary) that cannot work."""
+    if model.norm not in NORMS:
+        raise ValueError(f"norm={model.norm!r}: use one of {NORMS}.")
+    if model.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"mlp_activation={model.mlp_activation!r}: use one of {MLP_ACTIVATIONS}.")
+    kv = model.num_kv_heads
+    if kv is not None and (kv < 1 or model.num_heads % kv):
+        raise ValueError(
+            f"num_kv_heads={kv} must divide num_heads={model.num_heads} (each key/value head "
+            "serves num_heads / num_kv_heads query heads)."
+        )
+    if model.head_dim is not None and model.head_dim < 1:
+        raise ValueError(f"head_dim={model.head_dim} must be positive (or None).")
+    head_dim = model.head_dim or model.embed_dim // model.num_heads
+    if model.positions == "rotary" and head_dim % 2:
+        raise ValueError(f"positions='rotary' pairs a head's features: head_dim={head_dim} is odd.")
+    if model.rope_scaling is not None and model.positions != "rotary":
+        raise ValueError("rope_scaling rescales rotary positions: set positions='rotary'.")
+    check_rope_scaling(model.rope_scaling)
 
 
 def _check_parallel_keys(model: Transformer) -> None:

@@ -6,6 +6,12 @@ over the real tokens of the global batch, in nats; steps return sums (nats,
 tokens), so `summarize` weighs every token exactly once on any number of
 devices, batches and processes, and padded eval examples (``mask == 0``) add
 nothing.
+
+With ``pack_documents`` a window's documents (each ended by the tokenizer's
+``eos_id``) are kept apart: `document_layout` gives every input token its
+document (``segment_ids``) and its position in it (``positions``), which the model
+attends and embeds by, and a ``target_weights`` of 0 where the target is the next
+document's first token.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import replicator as rp
+from experiments.datasets.text import recorded_tokenizer
+from experiments.datasets.tokenizers import Tokenizer, load_tokenizer
 from experiments.lm.model import Transformer
 from replicator.trainer import ConfigError, Experiment, Settings
 
@@ -29,8 +37,12 @@ MOE_BALANCE_WEIGHT = 1e-2
 MOE_Z_LOSS_WEIGHT = 1e-3
 
 
-def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
-    """Returns ``preprocess(batch)``: ``tokens [B, L + 1]`` -> ``inputs``, ``targets`` ``[B, L]``.
+def make_preprocess(
+    max_len: int, separator: int | None = None
+) -> Callable[[Mapping[str, Any]], dict[str, np.ndarray]]:
+    """Returns ``preprocess(batch)``: ``tokens [B, L + 1]`` -> ``inputs``, ``targets`` ``[B, L]``
+    (and with a ``separator``, packed documents, `document_layout`'s ``positions``,
+    ``segment_ids`` and ``target_weights``).
 
     Raises (when called) a `ConfigError` if ``L > max_len``: the dataset's windows
     are longer than the model's context.
@@ -49,14 +61,71 @@ def make_preprocess(max_len: int) -> Callable[[Mapping[str, Any]], dict[str, np.
                 f"config.model.max_len={max_len}; raise max_len or use shorter windows "
                 "(the dataset's block_size)."
             )
-        return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+        out = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+        if separator is not None:
+            out.update(document_layout(out["inputs"], separator))
+        return out
 
     return preprocess
 
 
+def document_layout(inputs_BxL: np.ndarray, separator: int) -> dict[str, np.ndarray]:
+    """Where each input token sits among a window's packed documents, each ended by
+    ``separator``.
+
+    A document's separator is its own last token: it is predicted (the end of a
+    document, as a model that generates one must learn), but predicts nothing, as
+    the next document's first token does not follow from the previous document.
+    A document cut by the window's start counts its positions from there.
+
+    Returns:
+      ``segment_ids`` (int32 ``[B, L]``, counting the documents from 0),
+      ``positions`` (int32, restarting at 0 after each separator) and
+      ``target_weights`` (float32: 0 where the input is a separator, else 1).
+
+    >>> out = document_layout(np.array([[5, 6, 0, 7, 0, 8]]), separator=0)
+    >>> out["segment_ids"].tolist(), out["positions"].tolist()
+    ([[0, 0, 0, 1, 1, 2]], [[0, 1, 2, 0, 1, 0]])
+    >>> out["target_weights"].tolist()
+    [[1.0, 1.0, 0.0, 1.0, 0.0, 1.0]]
+    """
+    ends_BxL = np.asarray(inputs_BxL) == separator
+    segment_ids = np.cumsum(ends_BxL, axis=-1) - ends_BxL  # the separator ends its own
+    index_L = np.arange(ends_BxL.shape[-1])
+    starts_BxL = np.zeros_like(ends_BxL)
+    starts_BxL[..., 0], starts_BxL[..., 1:] = True, ends_BxL[..., :-1]
+    first_BxL = np.maximum.accumulate(np.where(starts_BxL, index_L, 0), axis=-1)
+    return {
+        "segment_ids": segment_ids.astype(np.int32),
+        "positions": (index_L - first_BxL).astype(np.int32),
+        "target_weights": (~ends_BxL).astype(np.float32),
+    }
+
+
+def document_separator(spec: str) -> int:
+    """The id that ends each document for the tokenizer ``spec`` (its ``eos_id``).
+
+    Raises:
+      ConfigError: the tokenizer has none (one line).
+
+    >>> document_separator("bytes")
+    0
+    """
+    eos_id = load_tokenizer(spec).eos_id
+    if eos_id is None:
+        raise ConfigError(
+            f"config.pack_documents=True needs a tokenizer that ends documents with an eos "
+            f"id, and config.tokenizer={spec!r} has none; set pack_documents=False"
+        )
+    return eos_id
+
+
 def token_weights(batch: Mapping[str, jax.Array]) -> jax.Array:
-    """1.0 for every token of a real example, 0.0 for padding (``batch["mask"]``, if any)."""
+    """1.0 for every token of a real example, 0.0 for padding (``batch["mask"]``, if any)
+    and for targets in another document than their input (``batch["target_weights"]``)."""
     ones = jnp.ones_like(batch["targets"], jnp.float32)
+    if "target_weights" in batch:
+        ones = ones * batch["target_weights"].astype(jnp.float32)
     if "mask" not in batch:
         return ones
     return ones * batch["mask"].astype(jnp.float32)[:, None]
@@ -74,6 +143,8 @@ def nats_and_moe_aux(
     """`token_nats` and, for a mixture-of-experts model, the mean over its MoE layers
     of their `replicator.moe.MoEAux` (None for a dense one)."""
     moe = bool(getattr(model, "num_experts", None))
+    # Packed documents: each token's document and position in it (`document_layout`).
+    kwargs.update({key: batch[key] for key in ("positions", "segment_ids") if key in batch})
     out = model.apply(
         {"params": params}, batch["inputs"], targets=batch["targets"],
         mutable=["intermediates"] if moe else False, **kwargs,
@@ -103,6 +174,36 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     if "dropped" in sums:  # a mixture of experts' training steps
         metrics["dropped_fraction"] = float(sums["dropped"]) / tokens if tokens else math.nan
     return metrics
+
+
+def check_tokenizer(spec: str, dataset: str | None, vocab_size: int) -> Tokenizer:
+    """The tokenizer ``spec`` names (`load_tokenizer`), checked against the model's
+    vocabulary and the tokenizer ``dataset``'s tokens come from (`recorded_tokenizer`).
+
+    Raises:
+      ConfigError: in one line: the tokenizer cannot be read, has more ids than
+        ``vocab_size``, or is not the one the data was tokenized with.
+
+    >>> check_tokenizer("bytes", "python_stdlib/modules_128", vocab_size=256).eos_id
+    0
+    """
+    tokenizer = load_tokenizer(spec)
+    if vocab_size < tokenizer.vocab_size:
+        padded = -(-tokenizer.vocab_size // 128) * 128
+        raise ConfigError(
+            f"config.model.vocab_size={vocab_size} is smaller than the vocabulary of "
+            f"config.tokenizer={spec!r} ({tokenizer.vocab_size} ids); set it to at least "
+            f"{tokenizer.vocab_size} (e.g. {padded}, a multiple of 128)"
+        )
+    recorded = recorded_tokenizer(dataset) if dataset else None
+    if recorded is not None and recorded != tokenizer.fingerprint:
+        raise ConfigError(
+            f"config.dataset={dataset!r} holds the tokens of tokenizer {recorded}, but "
+            f"config.tokenizer={spec!r} is {tokenizer.fingerprint}: tokenize the data with "
+            "the config's tokenizer (a text dataset's tokenizer=...) or set config.tokenizer "
+            "to the data's"
+        )
+    return tokenizer
 
 
 def make_model(
@@ -137,6 +238,36 @@ def make_model(
         ) from None
 
 
+def check_parallel_settings(settings: Settings, length: int | None = None) -> None:
+    """One-line errors for parallelism the LM cannot run as configured: a pipeline of
+    mixture-of-experts blocks; sequences of ``length`` that do not split over the mesh's
+    ``context`` axis (in two chunks per device with ``context_load_balance``).
+
+    Raises:
+      ConfigError: naming the keys to change.
+    """
+    mesh = dict(settings.repl.mesh.shape)
+    experts, stages = settings.model.get("num_experts"), mesh.get("stage", 1)
+    pipelined = stages > 1 or settings.pipeline_microbatches is not None
+    if experts and (pipelined or settings.pipeline_repeats != 1):
+        raise ConfigError(
+            f"config.model.num_experts={experts} with a pipeline (mesh axis 'stage' of "
+            f"{stages}, pipeline_microbatches={settings.pipeline_microbatches}, "
+            f"pipeline_repeats={settings.pipeline_repeats}): a pipeline does not run "
+            "mixture-of-experts blocks; drop the 'stage' axis and the pipeline keys, or the "
+            "experts"
+        )
+    shards = mesh.get("context", 1)
+    chunks = 2 * shards if settings.context_load_balance else shards
+    if length is not None and length % chunks:
+        balanced = ", two each: context_load_balance" if settings.context_load_balance else ""
+        raise ConfigError(
+            f"a sequence of {length} tokens does not split into {chunks} equal chunks over "
+            f"mesh axis 'context' of {shards}{balanced}; use a length (the dataset's block "
+            f"size, model.max_len) divisible by {chunks}, or another 'context' size"
+        )
+
+
 def make_experiment(settings: Settings) -> Experiment:
     """The language-modelling `Experiment` for the trainer.
 
@@ -149,8 +280,11 @@ def make_experiment(settings: Settings) -> Experiment:
     adds ``MOE_BALANCE_WEIGHT`` x the load-balancing loss and ``MOE_Z_LOSS_WEIGHT`` x
     the router z-loss (means over the MoE layers, each over the whole batch's tokens
     on both step paths, as on one device); throughput counts
-    ``max_len`` tokens per example.
+    ``max_len`` tokens per example. A config's ``tokenizer`` (``settings.tokenizer``)
+    must fit ``model.vocab_size`` and be the one the dataset was tokenized with
+    (`check_tokenizer`).
     """
+    check_parallel_settings(settings)
     network = make_model(
         settings.model,
         settings.remat_policy,
@@ -158,6 +292,11 @@ def make_experiment(settings: Settings) -> Experiment:
         pipeline_repeats=settings.pipeline_repeats,
         context_strategy=settings.context_strategy,
         context_load_balance=settings.context_load_balance,
+    )
+    if settings.tokenizer is not None:  # a config's: checked before anything is written
+        check_tokenizer(settings.tokenizer, settings.dataset, network.vocab_size)
+    separator = (
+        document_separator(settings.tokenizer or "bytes") if settings.pack_documents else None
     )
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
@@ -175,6 +314,7 @@ def make_experiment(settings: Settings) -> Experiment:
         )
 
     def train_step(state: rp.TrainState, batch: Mapping[str, jax.Array]):
+        check_parallel_settings(settings, length=batch["inputs"].shape[1])  # as it is traced
         total_tokens = rp.global_sum(token_weights(batch))  # over every replica and microbatch
         dropout_rng = rp.replica_key(jax.random.fold_in(state.rng, state.step))
 
@@ -204,7 +344,7 @@ def make_experiment(settings: Settings) -> Experiment:
         return {"loss": jnp.sum(jnp.where(weights > 0, nats, 0.0)), "tokens": jnp.sum(weights)}
 
     return Experiment(
-        preprocess=make_preprocess(network.max_len),
+        preprocess=make_preprocess(network.max_len, separator),
         init_state=init_state,
         train_step=train_step,
         eval_step=eval_step,

@@ -16,10 +16,18 @@ more than a few arrays. This server adds, as GCS documents them:
 
 * ``x-goog-generation`` / ``x-goog-metageneration`` on every media download
   (https://cloud.google.com/storage/docs/xml-api/reference-headers);
-* the ``ifGenerationMatch`` precondition on media uploads: 412 Precondition
+* the ``ifGenerationMatch`` precondition on uploads and deletes: 412 Precondition
   Failed when the object's generation differs (0: the object must not exist),
   checked and written under one lock so that two writers cannot both win
   (https://cloud.google.com/storage/docs/request-preconditions).
+
+and makes one more answer GCS's: a PUT to a resumable upload session that has already
+completed (a client retrying the last chunk whose reply was lost, as gcsfs does after a
+dropped connection) gets 200 and the object resource the upload created, where the
+emulator, having deleted the session, answers 404
+(https://cloud.google.com/storage/docs/performing-resumable-uploads). The completed
+sessions are remembered in memory and, with ``--dir``, in ``DIR/.completed_uploads.json``,
+so a restarted server still knows them.
 
 The emulator has no IAM, so one more rule stands in for a bucket the caller may
 read but not write: in a bucket whose name starts with ``readonly-``, every upload
@@ -49,7 +57,11 @@ from replicator.errors import LaunchError
 VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
 READ_ONLY = "readonly-"  # buckets named so refuse writes, as GCS does without the permission
 _WRITE = threading.Lock()
-_ORIGINAL = {}  # the emulator's handlers that ours wrap: "download", "insert", "delete"
+_ORIGINAL = {}  # the emulator's handlers that ours wrap: "download", "insert", "delete", ...
+_COMPLETED: dict[str, dict] = {}  # upload_id -> the object resource its upload created
+_COMPLETED_FILE = ".completed_uploads.json"
+_KEEP_COMPLETED = 10_000  # the newest sessions remembered
+_directory: list[str] = []  # where the objects are kept, if on disk (set by `serve`)
 
 
 def free_port() -> int:
@@ -195,12 +207,23 @@ def _forbidden(request, response, permission: str) -> bool:
 
 
 def _delete(request, response, storage, *args, **kwargs):
-    if not _forbidden(request, response, "storage.objects.delete"):
+    if _forbidden(request, response, "storage.objects.delete"):
+        return
+    wanted = request.query.get("ifGenerationMatch")
+    with _WRITE:
+        current = _generation(storage, request.params["bucket_name"], request.params["object_id"])
+        if wanted and current != "0" and current != wanted[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "Precondition Failed"}})
+            return
         _ORIGINAL["delete"](request, response, storage, *args, **kwargs)
 
 
 def _insert(request, response, storage, *args, **kwargs):
     if _forbidden(request, response, "storage.objects.create"):
+        return
+    if "upload_id" in request.query:  # a chunk POSTed to a resumable session (gcsfs does)
+        _upload_partial(request, response, storage, *args, **kwargs)  # (checked when begun)
         return
     wanted = request.query.get("ifGenerationMatch")
     name = request.query.get("name")
@@ -214,6 +237,38 @@ def _insert(request, response, storage, *args, **kwargs):
         _ORIGINAL["insert"](request, response, storage, *args, **kwargs)
 
 
+def _upload_partial(request, response, storage, *args, **kwargs):
+    upload_id = request.query.get("upload_id", [""])[0]
+    with _WRITE:
+        if upload_id and upload_id not in storage.resumable and upload_id in _COMPLETED:
+            response.status = HTTPStatus.OK  # GCS: a completed session answers with its object
+            response.json(_COMPLETED[upload_id])
+            return
+        _ORIGINAL["upload_partial"](request, response, storage, *args, **kwargs)
+        if upload_id and upload_id not in storage.resumable and response.status == HTTPStatus.OK:
+            _COMPLETED[upload_id] = json.loads(response._content)
+            while len(_COMPLETED) > _KEEP_COMPLETED:  # GCS forgets a session after a week
+                del _COMPLETED[next(iter(_COMPLETED))]
+            _save_completed()
+
+
+def _save_completed() -> None:
+    if _directory:
+        path = os.path.join(_directory[0], _COMPLETED_FILE)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(_COMPLETED, f)
+        os.replace(f"{path}.tmp", path)  # a server killed while writing keeps the old list
+
+
+def _load_completed(directory: str) -> None:
+    _directory[:] = [directory]
+    try:
+        with open(os.path.join(directory, _COMPLETED_FILE)) as f:
+            _COMPLETED.update(json.load(f))
+    except FileNotFoundError:
+        pass
+
+
 def install_patches() -> None:
     """Puts the handlers above in the emulator's routing table (once)."""
     from gcp_storage_emulator import server
@@ -221,14 +276,17 @@ def install_patches() -> None:
 
     if _ORIGINAL:
         return
-    _ORIGINAL.update(download=objects.download, insert=objects.insert, delete=objects.delete)
-    ours = {objects.download: _download, objects.insert: _insert, objects.delete: _delete}
+    _ORIGINAL.update(download=objects.download, insert=objects.insert, delete=objects.delete,
+                     upload_partial=objects.upload_partial)  # fmt: skip
+    ours = {objects.download: _download, objects.insert: _insert, objects.delete: _delete,
+            objects.upload_partial: _upload_partial}  # fmt: skip
     for _, handlers in server.HANDLERS:
         for method, handler in list(handlers.items()):
             if handler in ours:
                 handlers[method] = ours[handler]
     objects.insert = _insert  # the server's fallback for uploads posted without /upload
     objects.download = _download  # what a GET of .../o/NAME?alt=media calls through objects.get
+    objects.upload_partial = _upload_partial  # what a POST with an upload_id calls
 
 
 def serve(port: int, directory: str | None = None, parent: int | None = None) -> None:
@@ -244,6 +302,7 @@ def serve(port: int, directory: str | None = None, parent: int | None = None) ->
     if directory:
         os.makedirs(directory, exist_ok=True)
         _lock(directory)
+        _load_completed(directory)
     gcs = server.create_server(
         "127.0.0.1", port, in_memory=directory is None, data_dir=directory or None
     )

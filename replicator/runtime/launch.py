@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -168,7 +169,10 @@ def _launch_once(
             stderr=subprocess.STDOUT,
             text=True,
         )
-        reader = threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[{i}] "), daemon=True)
+        reader = threading.Thread(
+            target=_prefix_lines, args=(proc.stdout, f"[{i}] ", _killed_before(procs, i)),
+            daemon=True,
+        )  # fmt: skip
         reader.start()
         procs.append(proc)
         readers.append(reader)
@@ -207,13 +211,9 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, elastic: bool = Fa
                     lost.add(i)
             failed = [(i, c) for i, c in failed if i not in lost]
             codes = [0 if i in lost else c for i, c in enumerate(codes)]
-        if failed:
-            i, code = failed[0]
-            print(
-                f"launch: process {i} failed with exit code {code}; stopping the others.",
-                file=sys.stderr,
-                flush=True,
-            )
+        if failed:  # a process killed from outside is the cause; its peers' errors follow
+            i, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+            print(_failure_line(i, code), file=sys.stderr, flush=True)
             _stop(procs, grace_s)
             return code if code > 0 else 1
         if all(c == 0 for c in codes):
@@ -221,9 +221,32 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, elastic: bool = Fa
         time.sleep(0.1)
 
 
+def _failure_line(i: int, code: int) -> str:
+    if code >= 0:
+        return f"launch: process {i} failed with exit code {code}; stopping the others."
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return (
+        f"launch: process {i} was killed ({name}), not a failure of the run: rerun the same "
+        "command to resume from its last checkpoint (--restarts N does it by itself)."
+    )
+
+
+def _killed_before(procs: list[subprocess.Popen], mine: int) -> Callable[[], bool]:
+    """Whether a process other than ``mine`` was killed by a signal not of `_stop`'s."""
+
+    def killed() -> bool:
+        return any(
+            j != mine and (p.poll() or 0) < 0 and not getattr(p, "stopped", False)
+            for j, p in enumerate(procs)
+        )
+
+    return killed
+
+
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
     for proc in procs:
         if proc.poll() is None:
+            proc.stopped = True  # its signal is ours: `_killed_before`
             proc.terminate()
     deadline = time.monotonic() + grace_s
     for proc in procs:
@@ -245,12 +268,25 @@ _GLOO = re.compile(
 _NOTICE = re.compile(
     r"^[IW]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] .*recoverable task feature"
 )
+_HOLD_S = 5.0  # how long a traceback is held back while its process still prints
 
 
-def _prefix_lines(stream, prefix: str) -> None:
-    """Relays a process's output, each line prefixed, without the start-up noise above."""
+def _prefix_lines(stream, prefix: str, other_killed: Callable[[], bool] = lambda: False) -> None:
+    """Relays a process's output, each line prefixed, without the start-up noise above.
+
+    A traceback is held back until the process's output ends (or goes on for `_HOLD_S`
+    past it): the error of a survivor whose peer was killed from outside (gloo's lost
+    connection) goes to a file the console names (``train`` logs it too), the console
+    having said that the run resumes; any other traceback is shown as it was."""
     rank_cut = False  # a "[Gloo] Rank" whose number went to the next line
+    held, since = [], 0.0
     for line in stream:
+        if held or line.startswith("Traceback (most recent call last)"):
+            since = since if held else time.monotonic()
+            held.append(line)
+            if time.monotonic() - since > _HOLD_S:
+                held = _write(prefix, held)
+            continue
         if _NOTICE.search(line):
             continue
         if rank_cut and line.strip().isdigit():
@@ -261,8 +297,22 @@ def _prefix_lines(stream, prefix: str) -> None:
             line = _GLOO.sub("", line)
             if not line.strip():
                 continue
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
+        _write(prefix, [line])
+    if held and other_killed():
+        fd, path = tempfile.mkstemp(
+            prefix=f"replicator-launch-{prefix.strip('[] ')}-", suffix=".txt"
+        )
+        with os.fdopen(fd, "w") as f:
+            f.writelines(held)
+        _write(prefix, [f"(its error once another process was killed: {path})\n"])
+    elif held:
+        _write(prefix, held)
+
+
+def _write(prefix: str, lines: list[str]) -> list[str]:
+    sys.stdout.write("".join(prefix + line for line in lines))
+    sys.stdout.flush()
+    return []
 
 
 _COMMAND_HELP = """\
@@ -365,6 +415,12 @@ def main(argv: Sequence[str]) -> int:
             "my_script.py ARGS"
         )
     if args.where == "local":
+        if args.processes < 1 or args.devices_per_process < 1 or args.restarts < 0:
+            parser.error(
+                f"--processes ({args.processes}) and --devices-per-process "
+                f"({args.devices_per_process}) must be 1 or more, --restarts ({args.restarts}) "
+                "0 or more"
+            )
         if not args.gcs and (args.gcs_dir or args.allow_local_workdir):
             parser.error(f"--gcs-dir and {shared_paths.ALLOW_FLAG} go with --gcs (a rehearsal)")
         try:
@@ -386,16 +442,17 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _launch_local(args: argparse.Namespace, command: list[str]) -> int:
-    rehearsal = contextlib.nullcontext()
+    rehearsal, outcome = contextlib.nullcontext(), {}
     if args.gcs:
         rehearsal = rehearse.rehearsal(
             command,
             args.processes,
             directory=args.gcs_dir,
             allow_local_paths=args.allow_local_workdir,
+            outcome=outcome,
         )
     with rehearsal as env_of:
-        return launch_local(
+        outcome["code"] = launch_local(
             command,
             processes=args.processes,
             devices_per_process=args.devices_per_process,
@@ -403,6 +460,7 @@ def _launch_local(args: argparse.Namespace, command: list[str]) -> int:
             restarts=args.restarts,
             env_of=env_of,
         )
+    return outcome["code"]
 
 
 def _error(message: str) -> int:

@@ -72,6 +72,7 @@ def rehearsal(
     *,
     directory: str | None = None,
     allow_local_paths: bool = False,
+    outcome: dict | None = None,
 ) -> Iterator[Callable[[int], dict[str, str]]]:
     """Runs a local GCS server for ``command`` while the context lasts.
 
@@ -80,6 +81,8 @@ def rehearsal(
       processes: how many processes run it.
       directory: where the server keeps the objects (default: `default_directory`).
       allow_local_paths: accept a local ``--workdir`` or ``--config.data_dir``.
+      outcome: where the caller puts the run's exit status (``"code"``) before the
+        context ends: the closing line advises evaluating only a run that succeeded.
 
     Yields:
       A function of a process index to the variables of that process: the
@@ -120,7 +123,9 @@ def rehearsal(
             yield lambda i: {**server.environ, **private_environ(private, i)}
         finally:
             shutil.rmtree(private, ignore_errors=True)
-    if workdir and list(command[:1]) == ["train"]:
+    if workdir and list(command[:1]) == ["train"] and (outcome or {}).get("code", 0) != 0:
+        _say(f"the GCS server stopped; {workdir} stays in {directory}")
+    elif workdir and list(command[:1]) == ["train"]:
         again = ["launch", "local", "--processes", "1", "--gcs"]
         again += [] if directory == default_directory() else ["--gcs-dir", directory]
         _say(

@@ -95,6 +95,7 @@ class CompileReport:
     train: StepReport
     eval: StepReport
     versions: dict[str, str]
+    decode: dict[str, Any] | None = None  # `_compile_decode`'s report, where the experiment samples
 
     @property
     def fits(self) -> bool:
@@ -124,6 +125,7 @@ class CompileReport:
             "mfu_ceiling": train.roofline.get("mfu_ceiling"),
             "train_step": dataclasses.asdict(train),
             "eval_step": dataclasses.asdict(self.eval),
+            "decode_step": self.decode,
             "versions": self.versions,
         }
 
@@ -196,12 +198,13 @@ def compile_for_topology(
             "eval", run.eval_step, (eval_state, eval_batch), run, spec, hbm,
             state_bytes_per_device(eval_state), programs,
         )  # fmt: skip
+        decode = _compile_decode(run, spec, hbm, eval_state, programs)
     finally:
         run.close()
     report = CompileReport(
         spec.name, slices, slices * spec.chips, spec.chip.name, mesh,
         None if config.dcn_mesh is None else dict(config.dcn_mesh), hbm, train, evaluate,
-        _versions(),
+        _versions(), decode,
     )  # fmt: skip
     if workdir is not None:
         write_report(report, programs, workdir)
@@ -341,6 +344,29 @@ def _compile_step(
     )  # fmt: skip
 
 
+def _compile_decode(run: Run, spec, hbm: int, eval_state: Any, programs: dict) -> dict | None:
+    """The experiment's one-token decode step (its ``make_sampler`` hook,
+    `replicator.trainer.sample_command`) for the train batch's rows and a cache of the
+    model's full context, compiled like the others, with its KV cache's bytes per chip;
+    None where the experiment does not sample, ``{"skipped": why}`` where it refuses."""
+    make = getattr(importlib.import_module(run.config.experiment), "make_sampler", None)
+    if make is None:
+        return None
+    try:
+        sampler = make(run.settings, tokenizer=None)
+    except ConfigError as e:  # a mesh or model it does not decode (stage, context, experts)
+        return {"skipped": str(e)}
+    batch, slots = run.config.batch_size, sampler.max_len
+    step, args = sampler.decode_program(eval_state["params"], batch, slots)
+    cache = args[1].cache
+    cache_bytes = sum(state_bytes_per_device((cache.k, cache.v)).values())
+    report = _compile_step(
+        "decode", step, args, run, spec, hbm, state_bytes_per_device(eval_state), programs
+    )
+    return {"batch": batch, "slots": slots, "kv_cache_bytes_per_chip": cache_bytes,
+            **dataclasses.asdict(report)}  # fmt: skip
+
+
 def memory_fields(stats: Any) -> dict[str, int]:
     """``compiled.memory_analysis()`` as a dict of its byte counts."""
     names = [n for n in dir(stats) if n.endswith("_in_bytes")]
@@ -462,6 +488,7 @@ def summary_lines(report: CompileReport) -> list[str]:
         lines += _collective_lines(train.collectives)
         lines += _roofline_lines(train.roofline)
     lines += ["eval step, per chip:", *_memory_lines(report.eval, hbm, short=True)]
+    lines += _decode_lines(report.decode, hbm)
     lines += [f"  note: {note}" for note in dict.fromkeys(train.notes + report.eval.notes)]
     if not report.fits:
         lines.append(
@@ -475,6 +502,19 @@ def _memory_lines(step: StepReport, hbm: int, short: bool = False) -> list[str]:
     rows = [f"  {k.replace('_', ' '):<21}{_size(v):>10}" for k, v in step.breakdown.items()]
     total = f"  {'total':<21}{_size(step.total_bytes):>10}: {fit_text(step.total_bytes, hbm)}"
     return [total] if short else [*rows, total]
+
+
+def _decode_lines(decode: dict[str, Any] | None, hbm: int) -> list[str]:
+    if decode is None:
+        return []
+    if "skipped" in decode:
+        return [f"decode step: not compiled ({decode['skipped']})"]
+    total = decode["total_bytes"]
+    return [
+        f"decode step ({decode['batch']} rows, {decode['slots']} cache slots), per chip:",
+        f"  {'KV cache':<21}{_size(decode['kv_cache_bytes_per_chip']):>10}",
+        f"  {'total':<21}{_size(total):>10}: {fit_text(total, hbm)}",
+    ]
 
 
 def fit_text(total: int, hbm: int) -> str:

@@ -44,7 +44,7 @@ from absl import app, flags
 
 from replicator import storage
 from replicator.errors import StorageUnavailableError, UsageError, UserError
-from replicator.trainer import config_files
+from replicator.trainer import config_files, sample_command
 from replicator.trainer.config_files import HELP
 from replicator.trainer.console import Console, one_line
 from replicator.trainer.help_text import COMMANDS, SYNOPSIS, command_help, usage
@@ -107,11 +107,16 @@ _SLICES = flags.DEFINE_integer(
     "without dcn_mesh gets dcn_mesh={'data': N}).",
 )
 
+_FORMAT = flags.DEFINE_enum("format", None, ["hf"], "export: the format, 'hf' (Hugging Face's).")
+_OUT = flags.DEFINE_string("out", None, "export: the directory to write (new or empty).")
+
 _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
     "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, *_COMMON),
     "compile": (_CONFIG, _TOPOLOGY, _SLICES, _WORKDIR, _VERBOSE, _DEBUG),
+    "export": (_WORKDIR, _STEP, _FORMAT, _OUT, _VERBOSE, _DEBUG, _CPU_DEVICES),
+    "sample": (_CONFIG, _WORKDIR, _STEP, *sample_command.FLAGS, _STRICT, *_COMMON),
 }
 
 
@@ -136,7 +141,7 @@ def run(argv: Sequence[str] | None = None) -> None:
         argv = config_files.take_nulled(argv)  # --config.KEY=None, set after parsing
         argv = config_files.write_overrides_as_literals(argv)  # dict(a=1) -> {'a': 1}
         own_args = argv[2 : argv.index("--")] if "--" in argv else argv[2:]
-        if command == "eval":
+        if command in ("eval", "sample"):
             config_files.use_the_runs_config(argv)
         if any(arg in HELP for arg in own_args):
             config_files.parse_for_help(argv)
@@ -235,9 +240,14 @@ def main(argv: list[str], console: Console) -> None:
     if command == "compile":
         _compile(console)
         return
+    if command == "export":
+        _export(console)
+        return
     for flag in (_CONFIG, _WORKDIR):
         if flag.value is None:
             raise UsageError(f"--{flag.name} is required; see `python -m replicator {command} -h`")
+    if command == "sample":
+        sample_command.check_flags()  # before JAX starts
     import jax
 
     if _CPU_DEVICES.value:
@@ -255,12 +265,17 @@ def main(argv: list[str], console: Console) -> None:
         storage.check_writable(workdir) if command == "train" else storage.check_bucket(workdir)
     elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
-    config = config_files.config_for(command, workdir)  # validated by the trainer's setup
+    if command == "eval" and not _FOLLOW.value and not storage.isdir(workdir):  # (a sidecar waits)
+        raise UsageError(f"--workdir {workdir} does not exist (a mistyped path?)")
+    config = config_files.config_for(command, workdir)  # sample's: as eval's, the run's own
+    config = _with_checkpoint_model(config, required=command == "train")
     if command == "train":
         config_files.check_workdir(config, workdir, force=_FORCE.value)
     console.log_to(workdir, jax.process_index(), " ".join(sys.argv[1:]), create=command == "train")
     if command == "train":
         _train(config, workdir, console, chief)
+    elif command == "sample":
+        sample_command.main(config, workdir, console, chief, _STEP.value, _STRICT.value)
     else:
         _eval(config, workdir, console, chief)
 
@@ -326,7 +341,7 @@ def _compile(console: Console) -> None:
         storage.check_writable(workdir)
     elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
-    config = config_files.config_for("compile", workdir)
+    config = _with_checkpoint_model(config_files.config_for("compile", workdir))
     report = aot.compile_for_topology(
         config, _TOPOLOGY.value, slices=_SLICES.value, workdir=workdir
     )
@@ -338,6 +353,29 @@ def _compile(console: Console) -> None:
     console.print(f"report: {storage.join(where, 'report.json')}")
     if not report.fits:
         sys.exit(USAGE_ERROR)
+
+
+def _with_checkpoint_model(config, required: bool = True):
+    """init_from='hf:DIR': the model's shape from DIR/config.json, before the workdir's
+    saved config is compared with it (`replicator.trainer.pretrained.checkpoint_model`)."""
+    from replicator.trainer import pretrained
+
+    return pretrained.checkpoint_model(config, required=required)
+
+
+def _export(console: Console) -> None:
+    """``export``: a run's checkpoint as a Hugging Face checkpoint (`replicator.trainer.export`)."""
+    for flag in (_WORKDIR, _FORMAT, _OUT):
+        if flag.value is None:
+            raise UsageError(f"--{flag.name} is required; see `python -m replicator export -h`")
+    import jax
+
+    if _CPU_DEVICES.value:
+        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    from replicator.trainer import export
+
+    exported = export.export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value)
+    console.print(exported.report())
 
 
 def _plot(argv: list[str]) -> None:

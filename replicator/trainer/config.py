@@ -46,6 +46,19 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "tfds data_dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); passed to a data "
         "function that takes data_dir",
     ),
+    "tokenizer": (
+        (str,),
+        "bytes",
+        "the LM's tokenizer: 'bytes', or a local HF tokenizer.json, sentencepiece .model or "
+        "tiktoken BPE file (PATH:PRESET picks its split pattern); the data must be tokenized "
+        "with it (a text dataset's tokenizer=...)",
+    ),
+    "pack_documents": (
+        (bool,),
+        False,
+        "the LM's windows hold several documents (each ending in the tokenizer's eos_id): "
+        "attention and positions restart at each, no token predicts the next document's first",
+    ),
     "train_split": ((str,), "train", "split to train on"),
     "eval_split": ((str,), "test", "split to evaluate on"),
     # How long and how fast.
@@ -113,7 +126,8 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "init_from": (
         (str, None),
         None,
-        "a run's workdir or checkpoints directory (PATH or PATH:STEP) to load parameters from",
+        "a run's workdir or checkpoints directory (PATH or PATH:STEP) to load parameters from, "
+        "or hf:DIR, a Hugging Face checkpoint (its config.json sets the model's shape)",
     ),
     "init_from_rules": (
         (tuple, list, None),

@@ -100,6 +100,8 @@ def use_the_runs_config(argv: list[str]) -> None:
     if saved is None:
         if any(arg in HELP for arg in argv):
             return
+        if not storage.isdir(workdir):
+            raise UsageError(f"--workdir {workdir} does not exist (a mistyped path?)")
         raise UsageError(
             f"{saved_path(workdir)} does not exist (not a training run's workdir?); "
             "pass --config FILE"
@@ -440,18 +442,18 @@ def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
 
 
 def _resolve(command: str, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
-    """The config, and for eval the line that says which one it is."""
+    """The config, and for eval (and sample) the line that says which one it is."""
     config = FLAGS.config
-    if command != "eval" or not _file_given:
-        if command == "eval":
-            return config, f"eval: the run's config {saved_path(workdir)}{overrides_text()}"
+    if command not in ("eval", "sample") or not _file_given:
+        if command in ("eval", "sample"):
+            return config, f"{command}: the run's config {saved_path(workdir)}{overrides_text()}"
         return config, ""
     from replicator.trainer.evaluator import run_config
 
     saved = run_config(workdir)
     file = FLAGS["config"].config_filename
     if saved is None:
-        return config, f"eval: the config {file} ({workdir} has none saved){overrides_text()}"
+        return config, f"{command}: the config {file} ({workdir} has none saved){overrides_text()}"
     overrides = config_flags.get_override_values(FLAGS["config"])
     saved.lock()  # an override names a key of the run's config
     try:
@@ -464,7 +466,7 @@ def _resolve(command: str, workdir: str) -> tuple[ml_collections.ConfigDict, str
         if d.split(":")[0] not in overrides
     ]
     differs = f"; {file} differs in {', '.join(ignored)}, not used" if ignored else ""
-    return saved, f"eval: the run's config {saved_path(workdir)}{overrides_text()}{differs}"
+    return saved, f"{command}: the run's config {saved_path(workdir)}{overrides_text()}{differs}"
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str, *, force: bool) -> None:

@@ -9,6 +9,7 @@ reduced across replicas -> `actions` (log, evaluate, save) -> writers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -20,8 +21,8 @@ import ml_collections
 from replicator import ema, storage
 from replicator.checkpoint import CheckpointMismatchError, Checkpoints
 from replicator.trainer import actions as act
+from replicator.trainer import aot, init_from, lease, pretrained
 from replicator.trainer import config as config_lib
-from replicator.trainer import init_from
 from replicator.trainer.config import config_differences
 from replicator.trainer.evaluator import eval_views, evaluate_views
 from replicator.trainer.instruments import ProgressBar, Stopwatch, summarize_run
@@ -60,22 +61,27 @@ def train_and_evaluate(
     """
     preemption = PreemptionWatcher()  # before anything slow, so no signal is missed
     try:
-        return _train(config, workdir, preemption, quiet=quiet, devices=devices, strict=strict)
+        with contextlib.ExitStack() as held:  # the workdir's lease, once _train takes it
+            return _train(config, workdir, preemption, held, quiet=quiet, devices=devices,
+                          strict=strict)  # fmt: skip
     finally:
         preemption.close()
 
 
-def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, Any]:
+def _train(config, workdir, preemption, held, *, quiet, devices, strict) -> dict[str, Any]:
     # ---- Setup: everything that can fail on bad input fails before the workdir is touched.
     watch = Stopwatch()
+    config = pretrained.checkpoint_model(config)  # init_from='hf:DIR': its config.json's shape
     run = setup(config, devices=devices)
     config, repl = run.config, run.repl
+    _check_step(run)  # what the step checks as it is traced (pipeline, context, experts)
     check_writers(config.writers)  # 'wandb' not installed: one line, before the workdir
     train_iter = run.train_iterator()
     workdir = storage.normalize(workdir)
     storage.check_writable(workdir)
     start_from = _init_from(run, workdir)  # read and checked before anything is written
     storage.makedirs(workdir)
+    held.enter_context(lease.hold(workdir))  # one run at a time: a second is refused here
     checkpoints, state, start = _start(run, workdir, train_iter, strict, start_from)
     config_lib.write_json(config, storage.join(workdir, "config.json"))
     batches = repl.distribute(train_iter)
@@ -130,6 +136,13 @@ def _train(config, workdir, preemption, *, quiet, devices, strict) -> dict[str, 
         writer.write(step, summary, split="summary")
         writer.close()
     return end.eval_result
+
+
+def _check_step(run: Run) -> None:
+    """Lowers the train step from shapes alone, so that the checks made as it is traced
+    fail before anything is written; the first step reuses the lowering."""
+    batch, _ = aot.abstract_batches(run)
+    run.train_step.lower(aot.abstract_state(run), batch)
 
 
 class _Actions(list):
@@ -227,9 +240,7 @@ def _init_from(run: Run, workdir: str):
         return None
 
     def plan_and_read():
-        the_plan = init_from.plan(config.init_from, config.init_from_rules,
-                                  run.abstract_state, run.repl, config.init_from_skip)  # fmt: skip
-        return the_plan, init_from.read(the_plan, run.abstract_state, run.repl)
+        return pretrained.load(config, run.abstract_state, run.repl)
 
     if storage.exists(storage.join(workdir, "checkpoints")):
         return plan_and_read

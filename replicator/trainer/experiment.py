@@ -63,6 +63,12 @@ class Settings:
       context_load_balance: the config's ``context_load_balance``: sequences reordered
         so that the ``context`` shards share the causal work evenly. An experiment
         whose model has no attention over a sequence refuses a ``context`` axis.
+      tokenizer: the config's ``tokenizer`` (a language model's: ``"bytes"`` or a
+        tokenizer file); None where no config gave one.
+      dataset: the config's ``dataset``, for an experiment that checks what its data
+        holds (the LM: which tokenizer made it); None where no config gave one.
+      pack_documents: the config's ``pack_documents``: a language model's windows
+        hold several documents, each attended to, positioned and predicted alone.
     """
 
     repl: Replicator
@@ -79,6 +85,9 @@ class Settings:
     pipeline_repeats: int = 1
     context_strategy: str = "gather"
     context_load_balance: bool = False
+    tokenizer: str | None = None
+    dataset: str | None = None
+    pack_documents: bool = False
 
     def refuse_pipeline(self, experiment: str) -> None:
         """Raises a one-line `ConfigError` when the config asks ``experiment``, whose

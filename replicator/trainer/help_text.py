@@ -22,6 +22,8 @@ COMMANDS = {
     "compile": "compile a config's steps for a Cloud TPU slice here: memory per chip, FLOPs, "
     "collectives, a roofline",
     "plot": "draw WORKDIR's metrics as PNG files in WORKDIR/plots/",
+    "sample": "continue prompts with a checkpoint of WORKDIR (or config.init_from's weights)",
+    "export": "write a checkpoint of WORKDIR in Hugging Face's layout (config.json, safetensors)",
     "launch": "run a command as every process of a multi-process run: local, tpu or slurm",
 }
 SYNOPSIS = {
@@ -30,6 +32,9 @@ SYNOPSIS = {
     "compile": "compile --config FILE[:MODE] --topology TYPE [--slices N] [--workdir DIR] "
     "[--config.KEY=VALUE ...]",
     "plot": "plot WORKDIR",
+    "export": "export --workdir DIR [--step N] --format hf --out DIR",
+    "sample": "sample --workdir DIR [--config FILE[:MODE]] (--prompt TEXT | --prompt_ids 1,2,3) "
+    "[--max_new_tokens N --temperature T --top_k K --top_p P --seed S --num_samples N] [--json]",
 }
 
 
@@ -76,6 +81,8 @@ def command_help(
         default = flag.default not in (None, False) and flag.name != "config"
         shown = flag.help + (f" (default: {flag.default})" if default else "")
         lines.append(textwrap.fill(f"  {name:<17} {shown}", width=100, subsequent_indent=" " * 20))
+    if command == "export":  # the run's own config: no keys to set
+        return "\n".join(lines)
     return "\n".join([*lines, "", *keys_table(config, source)])
 
 

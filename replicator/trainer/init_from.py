@@ -17,6 +17,9 @@ arrays the plan names onto the state's shardings (Orbax's partial restore:
 nothing else is read), also before anything is written, so an unreadable source
 fails then too; `place` puts them into the fresh state. A resumed run continues
 from its own checkpoint and loads nothing.
+
+``init_from='hf:DIR'`` names a Hugging Face checkpoint instead, mapped by the
+experiment (`replicator.trainer.pretrained`, whose `load` reads either kind).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class Plan:
     """What `load` reads: ``sources[model path] = checkpoint path``, and the report."""
 
     directory: str
-    step: int
+    step: int | None  # None: a Hugging Face checkpoint (`replicator.trainer.pretrained`)
     sources: dict[str, str]
     fresh: list[str]
     unused: list[str]
@@ -52,7 +55,7 @@ class Plan:
         """The console's line."""
         by_skip = f" ({len(self.skipped)} by init_from_skip)" if self.skipped else ""
         line = (
-            f"init_from {self.directory} step {self.step}: loaded {len(self.sources)} arrays, "
+            f"init_from {self._source()}: loaded {len(self.sources)} arrays, "
             f"{len(self.fresh)} initialised fresh{by_skip}, {len(self.unused)} in the "
             "checkpoint unused"
         )
@@ -60,7 +63,7 @@ class Plan:
 
     def details(self) -> str:
         """The log's lines: every path, by what happened to it."""
-        lines = [f"init_from {self.directory} step {self.step}:"]
+        lines = [f"init_from {self._source()}:"]
         fresh = [f"{p} (init_from_skip)" if p in self.skipped else p for p in self.fresh]
         for title, paths in (
             ("loaded", [f"{m} <- {c}" if m != c else m for m, c in self.sources.items()]),
@@ -70,6 +73,9 @@ class Plan:
             lines.append(f"  {title} ({len(paths)}):")
             lines += [f"    {p}" for p in paths]
         return "\n".join(lines)
+
+    def _source(self) -> str:
+        return self.directory if self.step is None else f"{self.directory} step {self.step}"
 
 
 def parse(spec: str) -> tuple[str, int | None]:
@@ -165,7 +171,7 @@ def _match(
                 f"config.init_from_rules rename both {renamed[new]} and {name} to {new}"
             )
         renamed[new] = name
-    skipped = _skipped(skip, wanted)
+    skipped = skipped_paths(skip, wanted)
     sources = {m: renamed[m] for m in wanted if m in renamed and m not in skipped}
     wrong = [
         f"{m} {tuple(wanted[m].shape)} <- {c} {saved[c]}"
@@ -189,7 +195,7 @@ def _match(
     return Plan(directory, step, sources, fresh, unused, sorted(skipped))
 
 
-def _skipped(skip: str | None, wanted: dict[str, Any]) -> set[str]:
+def skipped_paths(skip: str | None, wanted: dict[str, Any]) -> set[str]:
     """The model's paths ``skip`` finds (``re.search``); one that finds none is a typo."""
     if skip is None:
         return set()

@@ -69,6 +69,7 @@ class Run:
     state_shardings: Any
     _init: Callable
     _sources: list = dataclasses.field(default_factory=list)
+    settings: Settings | None = None  # what the experiment was made from (its hooks take it)
 
     def init_state(self) -> Any:
         """A fresh train state, created directly in its shardings (mirrored under data
@@ -78,6 +79,14 @@ class Run:
             self._init,
             out_shardings=self.state_shardings,
             compiler_options=_RUN_ONCE if cpu else None,
+        )
+        return init()
+
+    def init_eval_state(self) -> Any:
+        """`init_state`'s eval view only (`eval_state`): the optimizer state is never made."""
+        init = self.repl.compile(
+            lambda: self.eval_state(self._init()),
+            out_shardings=self.eval_state(self.state_shardings),
         )
         return init()
 
@@ -128,25 +137,26 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     config = config_lib.validate(config)
     sync = sync_policy(config)
     repl = _replicator(config, devices, training)
-    experiment = load_experiment(
-        config.experiment,
-        Settings(
-            repl=repl,
-            model=config.model.to_dict(),
-            learning_rate=config.learning_rate,
-            optimizer=config.optimizer,
-            num_train_steps=config.num_train_steps,
-            grad_accum_steps=config.grad_accum_steps,
-            seed=config.seed,
-            sync=sync,
-            optimizer_spec=OptimizerSpec.from_config(config),
-            remat_policy=config.remat_policy,
-            pipeline_microbatches=config.pipeline_microbatches,
-            pipeline_repeats=config.pipeline_repeats,
-            context_strategy=config.context_strategy,
-            context_load_balance=config.context_load_balance,
-        ),
+    settings = Settings(
+        repl=repl,
+        model=config.model.to_dict(),
+        learning_rate=config.learning_rate,
+        optimizer=config.optimizer,
+        num_train_steps=config.num_train_steps,
+        grad_accum_steps=config.grad_accum_steps,
+        seed=config.seed,
+        sync=sync,
+        optimizer_spec=OptimizerSpec.from_config(config),
+        remat_policy=config.remat_policy,
+        pipeline_microbatches=config.pipeline_microbatches,
+        pipeline_repeats=config.pipeline_repeats,
+        context_strategy=config.context_strategy,
+        context_load_balance=config.context_load_balance,
+        tokenizer=config.tokenizer,
+        dataset=config.dataset,
+        pack_documents=config.pack_documents,
     )
+    experiment = load_experiment(config.experiment, settings)
     if training:
         _check_train_batch(config, repl)
         moe = bool(config.get("model", {}).get("num_experts"))
@@ -191,7 +201,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
     return Run(
         config, repl, experiment, train_step, eval_step,
         sharding.attach_shardings(abstract, shardings), eval_source, eval_batch_size, shardings,
-        init, [eval_source],
+        init, [eval_source], settings,
     )  # fmt: skip
 
 
@@ -346,9 +356,9 @@ def _check_mesh_fits(mesh: dict[str, int], dcn_mesh: dict[str, int] | None, devi
     where = f" (--cpu_devices={needed} on a CPU host)" if cpu else ""
     raise ConfigError(
         f"config.mesh={mesh} needs {'a multiple of ' if -1 in mesh.values() else ''}"
-        f"{needed} devices but {num_devices} are available. Training uses exactly its "
-        f"mesh: train on {needed} devices{where}, or pass a mesh for these, e.g. "
-        f'--config.mesh="{fitted}".'
+        f"{needed} devices but {num_devices} {'is' if num_devices == 1 else 'are'} available. "
+        f"Training uses exactly its mesh: train on {needed} devices{where}, or pass a mesh "
+        f'for these, e.g. --config.mesh="{fitted}".'
     )
 
 

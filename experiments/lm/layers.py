@@ -1,0 +1,326 @@
+"""The LM's layers: norms, rotary positions, self-attention and MLPs, GPT-2's and Llama's.
+
+GPT-2's block is LayerNorm, one fused q/k/v projection, a GELU MLP (the tanh
+approximation, Hugging Face's ``gelu_new``) and biases everywhere. The Llama
+family's (Llama 2 and 3, Mistral, Qwen2) is RMSNorm, a query projection beside a
+key/value one of ``num_kv_heads`` heads (grouped-query attention: each key/value
+head serves ``num_heads / num_kv_heads`` query heads), a SwiGLU MLP
+(``down(silu(gate(x)) * up(x))``), rotary positions of base ``rope_theta``, with
+Llama 3's rescaling of the long wavelengths (`rope_frequencies`), and no biases
+but Qwen2's on q/k/v. `experiments.lm.model.Transformer` picks them by its keys.
+
+Rotary embeddings use the half-split layout (GPT-NeoX's, Hugging Face's
+``rotate_half``): feature ``i`` pairs with ``i + D/2``, so Hugging Face's Llama
+``q_proj``/``k_proj`` weights map onto ``q_kernel``/``kv_kernel`` without a
+permutation.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`):
+``embed``, ``heads`` (query heads, and key/value heads too: the rules split both
+over ``tensor`` where they divide, and keep them whole, with a warning, where not),
+``kv`` (the head width), ``mlp``. Activations are named for the rules
+(`replicator.activations.constrain`) and, for rematerialisation, with MaxText's
+checkpoint names (`replicator.remat`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.dtypes import promote_dtype
+from jax.ad_checkpoint import checkpoint_name
+
+from experiments.lm import kv_cache
+from replicator.activations import constrain
+from replicator.context_parallel import context_attention, context_size, sequence_positions
+
+VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
+# The activations' logical axes (MaxText's names): the rules table shards them under
+# `Replicator.compile` (`replicator.activations.constrain`); under `run` they are no-ops.
+ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
+ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
+NORMS = ("layernorm", "rmsnorm")
+MLP_ACTIVATIONS = ("gelu", "swiglu")
+ROPE_SCALING_KEYS = (
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+)  # fmt: skip
+
+
+def normal(stddev: float, names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
+
+
+def zeros(names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def ones(names: tuple[str | None, ...]) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+def make_norm(kind: str, eps: float, dtype: Any, name: str) -> nn.Module:
+    """``"layernorm"`` (``scale`` and ``bias``) or ``"rmsnorm"`` (``scale`` only) over the
+    embedding width, statistics in float32.
+
+    >>> x = jnp.array([[6.0, -2.0]])  # x / sqrt(mean(x**2)): x / sqrt(20)
+    >>> y = make_norm("rmsnorm", 0.0, None, "n").apply({"params": {"scale": jnp.ones(2)}}, x)
+    >>> [round(float(v), 4) for v in y[0]]
+    [1.3416, -0.4472]
+    """
+    if kind == "rmsnorm":
+        return nn.RMSNorm(epsilon=eps, dtype=dtype, scale_init=ones((EMBED,)), name=name)
+    return nn.LayerNorm(
+        epsilon=eps, dtype=dtype, scale_init=ones((EMBED,)), bias_init=zeros((EMBED,)), name=name
+    )
+
+
+def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
+    """Raises a one-line ``ValueError`` unless ``scaling`` is None or Llama 3's rope
+    scaling (Hugging Face's ``rope_scaling`` with ``rope_type`` ``"llama3"``, or without it).
+
+    >>> check_rope_scaling({"rope_type": "yarn", "factor": 4.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: rope_scaling of rope_type='yarn': only 'llama3' is supported.
+    """
+    if scaling is None:
+        return
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling of rope_type={kind!r}: only 'llama3' is supported.")
+    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+    unknown = sorted(set(scaling) - set(ROPE_SCALING_KEYS))
+    if missing or unknown:
+        what = f"lacks {', '.join(map(repr, missing))}" if missing else f"has {unknown}"
+        raise ValueError(
+            f"rope_scaling {what}: Llama 3's scaling takes {', '.join(ROPE_SCALING_KEYS)}."
+        )
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0:
+        raise ValueError("rope_scaling: high_freq_factor must exceed low_freq_factor > 0.")
+
+
+def rope_frequencies(
+    head_dim: int, theta: float = 10_000.0, scaling: Mapping[str, Any] | None = None
+) -> np.ndarray:
+    """The rotary angular frequencies (float32 ``[head_dim / 2]``), as Hugging Face
+    computes them: ``theta ** (-2i / head_dim)``, and with Llama 3's ``scaling`` the
+    wavelengths above ``original_max_position_embeddings / low_freq_factor`` divided
+    by ``factor``, those below ``original_max_position_embeddings / high_freq_factor``
+    kept, and those between interpolated smoothly.
+
+    Args:
+      head_dim: the (even) head width.
+      theta: the base (``rope_theta``: 10,000 for GPT-NeoX and Llama 2, 500,000
+        for Llama 3).
+      scaling: None, or Llama 3's ``rope_scaling`` (`check_rope_scaling`), as a
+        mapping or its ``(key, value)`` pairs.
+
+    Returns:
+      float32 frequencies, feature ``i`` of the first half paired with ``i + D/2``.
+
+    >>> rope_frequencies(4, theta=100.0).tolist()
+    [1.0, 0.10000000149011612]
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = np.float32(1.0) / (np.float32(theta) ** exponents)
+    if scaling is None:
+        return inv
+    s = dict(scaling)
+    factor, low, high = (np.float32(s[k]) for k in ROPE_SCALING_KEYS[:3])
+    context = np.float32(s["original_max_position_embeddings"])
+    wavelength = np.float32(2 * math.pi) / inv
+    long = wavelength > context / low  # divided by the factor
+    scaled = np.where(long, inv / factor, inv)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < context / high) & ~long
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rotary(
+    x_BxTxHxD: jax.Array,
+    base: float = 10_000.0,
+    positions: Any = None,
+    scaling: Mapping[str, Any] | None = None,
+) -> jax.Array:
+    """Rotary position embedding (RoFormer; GPT-NeoX's half-split layout) of queries or keys.
+
+    Pairs feature ``i`` with ``i + D/2`` and rotates each pair by ``t * f_i`` at
+    position ``t`` (``positions``: ``[T]`` or per row ``[B, T]``, default
+    ``0 .. T - 1``; a load-balanced sequence's are `context_positions`), ``f`` being
+    `rope_frequencies`, so that query-key products depend on relative position only.
+
+    >>> x = jnp.ones((1, 3, 1, 4))
+    >>> bool(jnp.allclose(apply_rotary(x)[:, 0], x[:, 0]))  # position 0: unchanged
+    True
+    """
+    half = x_BxTxHxD.shape[-1] // 2
+    frequencies_D2 = rope_frequencies(2 * half, base, scaling)
+    if positions is None:
+        positions = np.arange(x_BxTxHxD.shape[1])
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * frequencies_D2  # [(B,) T, D/2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    x1, x2 = x_BxTxHxD[..., :half].astype(jnp.float32), x_BxTxHxD[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxTxHxD.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention: q/k/v projections, attention, output projection.
+
+    With ``num_kv_heads`` None one fused projection ``qkv_kernel [E, 3, H, D]``
+    (GPT-2's); else ``q_kernel [E, H, D]`` and ``kv_kernel [E, 2, K, D]``, the ``K``
+    key/value heads repeated to ``H`` for the attention (grouped-query attention).
+    ``qkv_bias`` (None: ``use_bias``) adds their biases, ``use_bias`` the output's.
+    ``rope_scaling``: Llama 3's, as ``(key, value)`` pairs (hashable)."""
+
+    num_heads: int
+    head_dim: int
+    out_stddev: float
+    rotary: bool
+    use_bias: bool
+    attention: str
+    dtype: Any
+    context_strategy: str = "gather"
+    context_load_balance: bool = False
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    rope_theta: float = 10_000.0
+    rope_scaling: tuple | None = None
+
+    @nn.compact
+    def __call__(
+        self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None, cache: Any = None
+    ) -> Any:
+        """``positions`` (``[B, T]``, or None for the sequence's own) rotate q and k;
+        ``segment_ids`` ``[B, T]`` keep attention within each segment. Decoding,
+        ``cache`` is ``((k, v), (index, mask))``, this layer's cache and where the new
+        tokens go (`experiments.lm.kv_cache.attend`), and the call returns the output
+        and the new tokens' (rotated) keys and values, ``K`` heads, for the cache."""
+        embed_dim = x_BxTxE.shape[-1]
+        q, k, v = self._project(x_BxTxE)
+        cp = context_size()
+        balanced = self.context_load_balance and cp > 1
+        if self.rotary:  # the original positions, of this device's block where split
+            if positions is None:
+                positions = sequence_positions(q, balanced)
+            rotate = dict(base=self.rope_theta, positions=positions, scaling=self.rope_scaling)
+            q, k = apply_rotary(q, **rotate), apply_rotary(k, **rotate)
+        if cache is not None:
+            out_BxTxHxD = kv_cache.attend(q, k, v, cache[0], *cache[1])
+            return self._out(out_BxTxHxD, embed_dim), (k, v)
+        if k.shape[2] != self.num_heads:  # grouped: each k/v head serves H / K query heads
+            k, v = (jnp.repeat(x, self.num_heads // x.shape[2], axis=2) for x in (k, v))
+            k, v = (constrain(x, ACTIVATION_BxTxHxD) for x in (k, v))
+        # Over a "context" axis the sequence's blocks attend across devices
+        # (`replicator.context_parallel`); without one this is `causal_attention`.
+        segments = {} if segment_ids is None else {"segment_ids": segment_ids}
+        out_BxTxHxD = context_attention(
+            q, k, v, strategy=self.context_strategy, load_balanced=balanced,
+            implementation=self.attention, **segments,
+        )  # fmt: skip
+        return self._out(out_BxTxHxD, embed_dim)
+
+    def _out(self, out_BxTxHxD: jax.Array, embed_dim: int) -> jax.Array:
+        """The output projection (and bias) of the heads' outputs."""
+        out_BxTxHxD = checkpoint_name(constrain(out_BxTxHxD, ACTIVATION_BxTxHxD), "context")
+        out_shape = (self.num_heads, self.head_dim, embed_dim)
+        out_kernel = self.param(
+            "out_kernel", normal(self.out_stddev, (HEADS, KV, EMBED)), out_shape
+        )
+        y_BxTxE = jnp.einsum(
+            "bthd,hde->bte", out_BxTxHxD, jnp.asarray(out_kernel, out_BxTxHxD.dtype)
+        )
+        if self.use_bias:
+            bias = self.param("out_bias", zeros((EMBED,)), (embed_dim,))
+            y_BxTxE = y_BxTxE + jnp.asarray(bias, y_BxTxE.dtype)
+        return checkpoint_name(y_BxTxE, "out_proj")
+
+    def _project(self, x_BxTxE: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, T, H, D]``, keys and values ``[B, T, K, D]``."""
+        E, H, D = x_BxTxE.shape[-1], self.num_heads, self.head_dim
+        bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+        if self.num_kv_heads is None:  # GPT-2's fused projection
+            kernel = self.param("qkv_kernel", normal(0.02, (EMBED, None, HEADS, KV)), (E, 3, H, D))
+            bias_of = ("qkv_bias", (None, HEADS, KV)) if bias else None
+            qkv = _dense(self, x_BxTxE, kernel, "bte,ekhd->btkhd", bias_of)
+            qkv = checkpoint_name(qkv, "qkv_proj")
+            return tuple(constrain(qkv[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
+        K = self.num_kv_heads
+        q_kernel = self.param("q_kernel", normal(0.02, (EMBED, HEADS, KV)), (E, H, D))
+        kv_kernel = self.param("kv_kernel", normal(0.02, (EMBED, None, HEADS, KV)), (E, 2, K, D))
+        q_bias, kv_bias = (
+            (("q_bias", (HEADS, KV)), ("kv_bias", (None, HEADS, KV))) if bias else (None, None)
+        )
+        q = _dense(self, x_BxTxE, q_kernel, "bte,ehd->bthd", q_bias)
+        kv = _dense(self, x_BxTxE, kv_kernel, "bte,ekhd->btkhd", kv_bias)
+        q = checkpoint_name(constrain(q, ACTIVATION_BxTxHxD), "query_proj")
+        k, v = (checkpoint_name(kv[:, :, i], n) for i, n in ((0, "key_proj"), (1, "value_proj")))
+        return q, k, v
+
+
+def _dense(module, x_BxTxE, kernel, equation: str, bias: tuple | None):
+    """``x @ kernel`` by ``equation`` in the module's dtype, plus a zero-initialised bias
+    (``(param name, logical names)``) shaped like the kernel's output dimensions."""
+    x_BxTxE, kernel = promote_dtype(x_BxTxE, kernel, dtype=module.dtype)
+    y = jnp.einsum(equation, x_BxTxE, kernel)
+    if bias is not None:
+        name, names = bias
+        y = y + jnp.asarray(module.param(name, zeros(names), kernel.shape[1:]), y.dtype)
+    return y
+
+
+class FeedForward(nn.Module):
+    """Dense to ``mlp_dim``, GELU (tanh approximation), dense back: ``fc``, ``proj``."""
+
+    mlp_dim: int
+    out_stddev: float
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        hidden = _mlp_dense(self, self.mlp_dim, 0.02, (EMBED, MLP), "fc")(x_BxTxE)
+        hidden = checkpoint_name(constrain(hidden, ACTIVATION_BxTxM), "mlpwi")
+        out = _mlp_dense(self, x_BxTxE.shape[-1], self.out_stddev, (MLP, EMBED), "proj")
+        return checkpoint_name(out(nn.gelu(hidden)), "mlpwo")
+
+
+class GatedFeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020; Llama's MLP): ``down(silu(gate(x)) * up(x))``."""
+
+    mlp_dim: int
+    out_stddev: float
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        gate, up = (
+            checkpoint_name(
+                constrain(_mlp_dense(self, self.mlp_dim, 0.02, (EMBED, MLP), n)(x_BxTxE),
+                          ACTIVATION_BxTxM),
+                "mlpwi",
+            )
+            for n in ("gate", "up")
+        )  # fmt: skip
+        down = _mlp_dense(self, x_BxTxE.shape[-1], self.out_stddev, (MLP, EMBED), "down")
+        return checkpoint_name(down(nn.silu(gate) * up), "mlpwo")
+
+
+def _mlp_dense(module, features: int, stddev: float, names, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=module.use_bias,
+        dtype=module.dtype,
+        kernel_init=normal(stddev, names),
+        bias_init=zeros(names[1:]),
+        name=name,
+    )
