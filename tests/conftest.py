@@ -119,6 +119,18 @@ SLOW = (
     "tests/test_profile.py::test_the_profiler_server_runs_while_training_and_stops_after",
     "tests/test_zero.py::test_run_keeps_the_state_sharded_and_equals_one_device[sgd-cube]",
     "tests/test_zero.py::test_run_keeps_the_state_sharded_and_equals_one_device[sgd-data4_tensor2]",
+    # Pretrained models, packing and sampling: a sibling of each stays fast.
+    "tests/test_sample.py::test_greedy_is_the_full_forward_argmax_at_every_position[gpt2-scan]",
+    "tests/test_sample.py::test_greedy_is_the_full_forward_argmax_at_every_position[llama-unrolled]",
+    "tests/test_sample.py::test_the_cached_forward_equals_the_full_forward",
+    "tests/test_sample.py::test_bf16_policy_caches_in_bf16",
+    "tests/test_sample.py::test_docstring_examples_run[experiments.lm.sample]",
+    "tests/test_packing.py::test_the_lm_on_both_paths_and_over_context_equals_documents_alone[run-mesh1-gather-True]",
+    "tests/test_llama.py::test_swiglu_experts_train_like_one_device[compile]",
+    "tests/test_llama.py::test_the_llama_lm_trains_like_one_device[run-mesh3-parallel3]",
+    "tests/test_llama.py::test_every_remat_policy_gives_the_gradients_of_none[minimal]",
+    "tests/test_configs.py::test_config_trains_two_steps[llama3_8b]",
+    "tests/test_configs.py::test_config_trains_two_steps[digits_vit]",
 )
 
 

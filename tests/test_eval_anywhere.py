@@ -140,7 +140,7 @@ def test_training_still_asks_for_exactly_its_mesh(tmp_path):
     )  # fmt: skip
     assert_one_line_error(
         done,
-        "config.mesh={'data': 4, 'fsdp': 2} needs 8 devices but 1 are available",
+        "config.mesh={'data': 4, 'fsdp': 2} needs 8 devices but 1 is available",
         "--cpu_devices=8",
         """--config.mesh="{'data': 1, 'fsdp': 1, 'tensor': 1}\"""",
     )
