@@ -131,6 +131,29 @@ SLOW = (
     "tests/test_llama.py::test_every_remat_policy_gives_the_gradients_of_none[minimal]",
     "tests/test_configs.py::test_config_trains_two_steps[llama3_8b]",
     "tests/test_configs.py::test_config_trains_two_steps[digits_vit]",
+    # On a 2-core AMD EPYC VM the suite takes about twice as long as where it was tuned
+    # (17m51s for 888 tests): these have siblings (another path or mesh, a unit test).
+    "tests/test_lm_parallel.py::test_the_moe_lm_over_experts_trains_like_one_device[run-mesh1]",
+    "tests/test_lm_parallel.py::test_the_lm_over_context_trains_like_one_device[run-mesh1-gather-True]",
+    "tests/test_checkpoint.py::test_sigkill_then_resume_equals_uninterrupted",
+    "tests/test_checkpoint.py::test_guide_orbax_recipe_runs_as_written",
+    "tests/test_cli.py::test_a_key_a_newer_config_file_added_does_not_block_resuming",
+    "tests/test_cli.py::test_eval_is_quiet_and_verbose_shows_the_libraries",
+    "tests/test_cli.py::test_progress_bar_on_a_terminal",
+    "tests/test_cli.py::test_a_rerun_without_a_complete_checkpoint_says_it_starts_over",
+    "tests/test_cli.py::test_a_workdir_of_another_experiment_is_refused_unless_forced",
+    "tests/test_cli.py::test_eval_follow_prints_one_json_line_per_result",
+    "tests/test_own_data.py::test_resuming_a_run_on_a_data_function_equals_never_stopping",
+    "tests/test_gan.py::test_train_step_8_replicas_equal_1_device_and_compile",
+    "tests/test_optimizer_keys.py::test_ema_metrics_and_ema_survive_kill_and_resume_bitwise",
+    "tests/test_optimizer_keys.py::test_a_key_a_config_sets_can_be_set_back_to_none",
+    "tests/test_configs.py::test_config_trains_two_steps[lm_1b]",
+    "tests/test_configs.py::test_config_trains_two_steps[lm_gpt2_124m]",
+    "tests/test_configs.py::test_config_trains_two_steps[cifar10_resnet]",
+    "tests/test_nnx.py::test_the_guides_nnx_example_runs_as_printed",
+    "tests/test_finetune.py::test_a_linear_probe_costs_fewer_flops_per_step",
+    "tests/test_sample.py::test_greedy_is_the_full_forward_argmax_at_every_position[gpt2-unrolled]",
+    "tests/test_aggregate.py::test_diloco_islands_aggregate_among_their_own_replicas",
 )
 
 
