@@ -29,12 +29,24 @@ import tempfile
 import time
 
 SHAPES = {
-    "llama3_1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      tie_word_embeddings=True),  # fmt: skip
-    "small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                  tie_word_embeddings=False),  # fmt: skip
+    "llama3_1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
 }
 
 
