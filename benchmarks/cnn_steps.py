@@ -31,7 +31,7 @@ from trials import Candidate
 
 import replicator as rp
 from experiments.classify.model import CNN
-from replicator.state import TrainState, all_finite
+from replicator.step.state import TrainState, all_finite
 
 GLOBAL_BATCH = 256
 PATHS = ("jit", "pmap", "replicator_run", "replicator_compile")

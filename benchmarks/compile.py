@@ -64,7 +64,7 @@ def child(cache_dir: str | None) -> dict:
     import optax
 
     import replicator as rp
-    from replicator.state import TrainState
+    from replicator.step.state import TrainState
 
     model = cnn_steps.make_model()
     host_batch = cnn_steps.synthetic_batch()

@@ -22,7 +22,7 @@ sequence between layers):
   experts (2 per token, capacity factor 1.25) against the dense LM with the same
   active parameters per token, trained on 8 CPU devices: tokens per second from
   interleaved trials (`trials.py`'s workers) and the all-to-all bytes per device
-  per step (`replicator.hlo.analyze`).
+  per step (`replicator.compiled.hlo.analyze`).
 
 The windows are zeros of the right length (this module's ``tokens_<N>`` datasets,
 ``dataset='context_experts:tokens_<N>'``): compiling needs only their shape.
@@ -148,7 +148,7 @@ def child_tpu() -> list[dict]:
     """Part 2: lm_1b's train step compiled by libtpu for a v5e-16."""
     import dataclasses
 
-    from replicator import topology
+    from replicator.compiled import topology as topology
     from replicator.trainer import aot
     from replicator.trainer.setup import setup
 
@@ -183,7 +183,7 @@ def build_moe() -> dict:
     """Part 3's worker (`trials.serve`): each candidate's training loop on 8 CPU devices."""
     import jax
 
-    from replicator import hlo
+    from replicator.compiled import hlo as hlo
     from replicator.trainer.setup import setup
 
     rng = np.random.default_rng(0)
@@ -412,7 +412,7 @@ def _render_moe(moe: dict, result: dict) -> list[str]:
         f"the dense LM with MLPs of width {DENSE_MLP} (the same MLP parameters per token on "
         f"average); {MOE_BATCH} windows of {MOE_LEN} tokens per step, float32. Medians of "
         f"{moe['rounds']} interleaved rounds of {moe['steps']} steps; all-to-all bytes sent per "
-        "device per step from the compiled HLO (`replicator.hlo.analyze`):",
+        "device per step from the compiled HLO (`replicator.compiled.hlo.analyze`):",
         "",
         "| model, mesh | parameters | step | tokens/s | speed vs dense | all-to-all per "
         "device | all collectives per device |",

@@ -192,7 +192,7 @@ def install_conv_lowering(mode: str) -> None:
     from jax._src.lax import convolution as conv_mod
     from jax.interpreters import mlir
 
-    from replicator.cpu import _lowering_rule
+    from replicator.spmd.cpu import _lowering_rule
 
     prim = conv_mod.conv_general_dilated_p
     default_rule = _lowering_rule(prim, "cpu")
@@ -343,7 +343,7 @@ def convs(rounds: int, reps: int) -> None:
     import jax
     import numpy as np
 
-    from replicator.cpu import install_max_pool_lowering  # noqa: F401 (not needed here)
+    from replicator.spmd.cpu import install_max_pool_lowering  # noqa: F401 (not needed here)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cpu_defaults
@@ -421,7 +421,7 @@ def build(candidates: list[dict], lowering: str | None = None):
     import optax
     import throughput
 
-    from replicator.cpu import install_max_pool_lowering
+    from replicator.spmd.cpu import install_max_pool_lowering
 
     install_max_pool_lowering()
     devices = jax.devices()

@@ -1,6 +1,6 @@
 """The fast defaults for CPU hosts, switchable one by one for the benchmarks.
 
-All of them now live in `replicator.cpu`, which the Replicator applies on CPU
+All of them now live in `replicator.spmd.cpu`, which the Replicator applies on CPU
 meshes (the malloc setting only where a process holds several devices); here
 they can be switched one by one.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax
 
-from replicator.cpu import (  # noqa: F401
+from replicator.spmd.cpu import (  # noqa: F401
     COMPILER_OPTIONS,
     install_max_pool_lowering,
     keep_freed_memory,
@@ -38,8 +38,8 @@ from replicator.cpu import (  # noqa: F401
 # Convolutions on Eigen, dots on YNNPACK. Pass as jax.jit(..., compiler_options=...),
 # or as XLA_FLAGS="--xla_cpu_experimental_ynn_fusion_type=individual_dot".
 XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"
-# With several devices in a process, replicator.cpu also picks the memory-optimized
-# scheduler (replicator.cpu.SEVERAL_DEVICES_OPTIONS).
+# With several devices in a process, replicator.spmd.cpu also picks the memory-optimized
+# scheduler (replicator.spmd.cpu.SEVERAL_DEVICES_OPTIONS).
 SEVERAL_DEVICES_XLA_FLAGS = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 
 

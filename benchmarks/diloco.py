@@ -9,7 +9,7 @@ of 2 replicas on 8 fake CPU devices), trains their synchronous originals
 and DiLoCo at each H through the trainer's command line, and reads each run's
 final eval from its ``metrics.jsonl``. The bytes each device sends between
 islands per step are measured from the compiled train step's HLO
-(`replicator.diloco.traffic`: collectives whose groups span islands, ring
+(`replicator.parallel.diloco.traffic`: collectives whose groups span islands, ring
 model; the sync's, inside its conditional, divided by H); data parallelism's
 from its step on the islands' mesh (``diloco=None``). A finished run is not repeated. Writes
 benchmarks/results/diloco.json and prints the ``## DiLoCo`` section of
@@ -76,7 +76,7 @@ def _final_eval(records: str) -> dict | None:
 
 def bytes_per_step(path: str, inner_steps: int | None) -> float:
     """Bytes each device sends between islands per step, from the compiled step's HLO."""
-    from replicator import diloco
+    from replicator.parallel import diloco as diloco
     from replicator.trainer.setup import setup
 
     run = setup(load_config(path, inner_steps))

@@ -9,7 +9,7 @@ tokens), with Adam, on 8 fake CPU devices under `Replicator.run`: data paralleli
 all-gathered, gradients reduce-scattered). For each, the train step
 (``state.value_and_grad``, ``state.apply_gradients``) is lowered with
 ``repl.wrap_optimizer(adam)`` and with ``aggregate=rp.narrow_sum()``, and the
-bytes each device sends per step are read from the HLO with `replicator.hlo.traffic`
+bytes each device sends per step are read from the HLO with `replicator.compiled.hlo.traffic`
 (ring model; collectives inside the non-finite guard's branch counted too, as a
 step that updates takes it):
 
@@ -43,7 +43,7 @@ import trials  # noqa: E402
 sys.path.insert(0, trials.REPO_DIR)
 
 import replicator as rp  # noqa: E402
-from replicator import hlo  # noqa: E402
+from replicator.compiled import hlo as hlo  # noqa: E402
 
 NAME = "grad_sum"
 MESHES = {"data=8": ({"data": 8}, "data"), "fsdp=8": ({"fsdp": 8}, "fsdp")}
@@ -151,7 +151,8 @@ def render(result: dict) -> str:
         "Bytes each device sends per train step (Adam, `repl.run`, 8 fake CPU devices, JAX "
         f"{result['jax']}), with the gradients summed in float32 (`repl.wrap_optimizer(tx)`)",
         "and in bfloat16 (`aggregate=rp.narrow_sum()`), read from the step's HLO with",
-        "`replicator.hlo.traffic` (ring model: an all-reduce of n bytes over g devices sends",
+        "`replicator.compiled.hlo.traffic` (ring model: an all-reduce of n bytes over g devices "
+        "sends",
         "2n(g-1)/g). *Program*: the HLO JAX hands XLA, what GPU (NCCL) and TPU compile",
         "with bf16 collectives. *XLA:CPU*: the compiled CPU program; its collectives have",
         "no bf16 sum, so XLA widens them to f32 and the bytes do not change there.",

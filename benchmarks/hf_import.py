@@ -106,7 +106,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
 import replicator as rp
-from replicator import sharding
+from replicator.parallel import sharding as sharding
 from replicator.trainer import init_from, pretrained
 from experiments.lm.task import make_model
 

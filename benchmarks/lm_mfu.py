@@ -16,7 +16,7 @@ MFU counts model FLOPs, 6·N·T + 12·L·S·d·T per step (N parameters without 
 position table, T tokens, L layers, S sequence, d width: the PaLM/nanoGPT count,
 attention as if not causal, recomputation not counted), against the data-sheet
 dense bf16 peak (H100/H200: 989 TFLOP/s); "HFU" counts the matrix FLOPs of the
-compiled step instead (`replicator.hlo`: recomputation included). On CPU there
+compiled step instead (`replicator.compiled.hlo`: recomputation included). On CPU there
 is no data-sheet peak: only tokens/s. Writes benchmarks/results/lm_mfu.json.
 """
 
@@ -52,7 +52,7 @@ def worker(config_path: str, name: str, batch: int, steps: int, rounds: int) -> 
     """One variant, in this process: its step timed on one real batch."""
     import jax
 
-    from replicator import hlo
+    from replicator.compiled import hlo as hlo
     from replicator.trainer.config_files import read_config_file
     from replicator.trainer.peaks import data_sheet_peak
     from replicator.trainer.setup import setup

@@ -228,7 +228,7 @@ def train_state_step(per_example_loss, tx, guard: str = "cond"):
     import optax
 
     import replicator as rp
-    from replicator.state import all_finite
+    from replicator.step.state import all_finite
 
     def loss_fn(params, batch):
         return rp.compute_average_loss(per_example_loss(params, batch))

@@ -56,7 +56,7 @@ def main() -> None:
     import jax
 
     import experiments.datasets  # noqa: F401  (the offline corpus)
-    from replicator import sharding
+    from replicator.parallel import sharding as sharding
     from replicator.trainer import setup as setup_lib
 
     candidates = {}

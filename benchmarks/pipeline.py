@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python benchmarks/pipeline.py [--only bubble,slices] [--docs-only]
 
-Two measurements, both read from compiled programs (`replicator.hlo.analyze`:
+Two measurements, both read from compiled programs (`replicator.compiled.hlo.analyze`:
 FLOPs with loop trip counts, collective bytes by mesh axis, ICI or DCN):
 
 * ``bubble``: a stack of 16 matmul layers pipelined over ``S`` stages on 8 CPU
@@ -10,7 +10,7 @@ FLOPs with loop trip counts, collective bytes by mesh axis, ICI or DCN):
   stage's compiled program does ``M*R + S - 1`` iterations of its layers where
   ``M*R`` would do: the measured idle share, ``1 - (FLOPs of the loop over the
   layers on one device / 8) / (FLOPs of one device's program)``, against the formula
-  ``(S-1) / (M*R + S-1)`` (`replicator.pipelining.bubble_fraction`).
+  ``(S-1) / (M*R + S-1)`` (`replicator.parallel.pipelining.bubble_fraction`).
 * ``slices``: the 8B config (``configs/lm_8b.py``, global batch 512 of 4,096
   tokens) compiled by libtpu for two v5p-128 slices (``python -m replicator
   compile``, nothing runs): FSDP across the slices (``dcn_mesh={'fsdp': 2}``)
@@ -54,8 +54,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import replicator as rp
-from replicator import hlo
-from replicator.pipelining import bubble_fraction
+from replicator.compiled import hlo as hlo
+from replicator.parallel.pipelining import bubble_fraction
 L, W, B = {LAYERS}, {WIDTH}, {BATCH}
 layer = lambda p, h: jnp.tanh(h @ p)
 params = jax.ShapeDtypeStruct((L, W, W), jnp.float32)

@@ -340,7 +340,7 @@ def render_findings(result: dict) -> str:
             f"(6,500-8,700 images/s, MirroredStrategy with oneDNN, 1 device) is {tf_mfu} "
             "of the peak measured here.",
             "",
-            "**What replicator does on CPU hosts** (`replicator/cpu.py`):",
+            "**What replicator does on CPU hosts** (`replicator/spmd/cpu.py`):",
             "",
             "- Max-pool lowering: adopted. A `Replicator` built on CPU devices installs it "
             "once per process (CPU-only lowering rules for `reduce_window_max` and "

@@ -18,7 +18,7 @@ time at the chip's published peaks). The cases:
   v5e-16, v5p-128 and two v5e-16 slices, beside MaxText's own compile of the same
   model (``benchmarks/maxtext_compile.py``, run in MaxText's own virtual
   environment: ``benchmarks/results/maxtext/``). MaxText's HLO is read by the same
-  analysis (`replicator.hlo.analyze`; without its mesh, its collectives are not
+  analysis (`replicator.compiled.hlo.analyze`; without its mesh, its collectives are not
   split into ICI and DCN), its memory by the same formula.
 
 Writes benchmarks/results/tpu_programs.json and, through `render`, the "TPU
@@ -122,7 +122,8 @@ def compile_case(case: dict, workdir: str) -> dict:
 
 def maxtext_rows() -> list[dict]:
     """MaxText's compiles (benchmarks/maxtext_compile.py), analysed as ours are."""
-    from replicator import hlo, topology
+    from replicator.compiled import hlo as hlo
+    from replicator.compiled import topology as topology
     from replicator.trainer import aot
 
     rows = []
@@ -216,7 +217,7 @@ def render(result: dict) -> str:
         "(`python -m replicator compile`; nothing ran on a TPU): state = parameters + "
         "optimizer state in HBM; total = arguments + outputs not donated + temporaries + "
         "generated code, against the chip's HBM; TFLOP and HBM bytes from the optimized "
-        "HLO with loop trip counts (`replicator.hlo.analyze`; the Pallas splash kernels "
+        "HLO with loop trip counts (`replicator.compiled.hlo.analyze`; the Pallas splash kernels "
         "are not costed, in either program); collective bytes sent per chip (ring model), "
         "DCN the part between slices; roofline = the largest of compute, HBM, ICI and DCN "
         "time at the chip's published peaks. Command: "

@@ -5,7 +5,7 @@ replicas along ``data`` are 4 islands that sum gradients only among their own
 2 replicas (``fsdp``, here plain data parallelism: the parameters stay
 replicated inside an island) and meet every ``inner_steps`` steps: the islands
 average their change of the parameters, a Nesterov outer step applies it, and
-every island starts again from the result (`replicator.diloco`).
+every island starts again from the result (`replicator.parallel.diloco`).
 Parameter-sized traffic between islands drops ``inner_steps``-fold. Evaluation
 uses the outer parameters.
 

@@ -74,7 +74,7 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     # path gathers each parameter whole for the step: 3.6 GB of float32 here).
     c.step_path = "compile"
     c.precision = "bf16"
-    c.remat_policy = "full"  # keep each block's input only (replicator.remat)
+    c.remat_policy = "full"  # keep each block's input only (replicator.step.remat)
     c.log_every_steps = 50
     c.eval_every_steps = 250
     c.checkpoint_every_steps = 250

@@ -2,7 +2,7 @@
 
 The same byte-level language model, data, steps and inner optimizer as
 ``lm_tiny.py``; the replicas along ``data`` are 4 islands that meet every 10
-steps (`replicator.diloco`), sending 10x fewer bytes between islands than
+steps (`replicator.parallel.diloco`), sending 10x fewer bytes between islands than
 synchronous data parallelism. Evaluation uses the outer parameters.
 
 Expected: eval loss 2.81 after 300 steps with seed 0 (``lm_tiny.py``: 2.16;

@@ -10,7 +10,7 @@ line too, with its own exit status, 75.
 Each class keeps the built-in base it had before it lived here (a `ConfigError`
 is a ``ValueError``, a `StorageError` an ``OSError``), so ``except`` clauses
 written for those keep working. The modules that raise them re-export them under
-their old names (``replicator.checkpoint.CorruptCheckpointError``). This module
+their old names (``replicator.checkpoints.checkpoint.CorruptCheckpointError``). This module
 imports nothing of the project, so every layer can raise these.
 
 >>> issubclass(ConfigError, ValueError) and issubclass(ConfigError, UserError)

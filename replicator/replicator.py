@@ -1,6 +1,6 @@
 """The Replicator, a facade: one mesh, and the two ways of running a step function on it,
-`run` (per replica, `replicator.replica_program`) and `compile` (the global view,
-`replicator.global_view`), over placement, inputs, dispatch, groups and reduction modules."""
+`run` (per replica, `replicator.spmd.replica_program`) and `compile` (the global view,
+`replicator.spmd.global_view`), over placement, inputs, dispatch, groups and reduction modules."""
 
 from __future__ import annotations
 
@@ -11,12 +11,20 @@ from typing import Any
 import jax
 import optax
 
-from replicator import cpu, diloco, dispatch, groups, inputs, optim, placement, reduction, sharding
-from replicator.global_view import Compiled, GlobalView
-from replicator.mesh import build_mesh
-from replicator.precision import Policy, apply_policy, get_policy
-from replicator.reduction import ReduceOp
-from replicator.replica_program import ReplicaPrograms
+from replicator.parallel import diloco as diloco
+from replicator.parallel import groups as groups
+from replicator.parallel import placement as placement
+from replicator.parallel import sharding as sharding
+from replicator.parallel.mesh import build_mesh
+from replicator.spmd import cpu as cpu
+from replicator.spmd import dispatch as dispatch
+from replicator.spmd import inputs as inputs
+from replicator.spmd import reduction as reduction
+from replicator.spmd.global_view import Compiled, GlobalView
+from replicator.spmd.reduction import ReduceOp
+from replicator.spmd.replica_program import ReplicaPrograms
+from replicator.step import optim as optim
+from replicator.step.precision import Policy, apply_policy, get_policy
 
 PyTree = Any
 
@@ -32,18 +40,21 @@ class Replicator:
         applies to a model and `TrainState.create` to a state (fp16 adds a dynamic loss scale).
       max_steps_in_flight: how many dispatched steps may be unfinished when `run` or a compiled
         step returns. ``None``: 2 on a mesh of several CPU devices (an unbounded queue has
-        deadlocked XLA:CPU's all-reduce rendezvous), no bound elsewhere (`replicator.dispatch`).
-      cpu_defaults: on a CPU mesh, apply `replicator.cpu.configure` (faster max pooling and
+        deadlocked XLA:CPU's all-reduce rendezvous), no bound elsewhere
+        (`replicator.spmd.dispatch`).
+      cpu_defaults: on a CPU mesh, apply `replicator.spmd.cpu.configure` (faster max pooling and
         convolutions, glibc keeping freed memory; some process-wide): 3-6x faster training
         of the tutorial CNN on CPU. False keeps JAX's defaults.
       rules: how parameters shard: ``(logical_axis, mesh_axis)`` pairs for flax logical-axis
         annotations, or ``(path_regex, (mesh_axis, ...))``; None:
-        `replicator.sharding.DEFAULT_RULES` (FSDP on ``fsdp``, Megatron-style ``mlp``/``heads``
+        `replicator.parallel.sharding.DEFAULT_RULES` (FSDP on ``fsdp``, Megatron-style
+        ``mlp``/``heads``
         on ``tensor``). See `param_shardings`.
       strict: a rule that matches nothing, or a large parameter left replicated on a sharded
         mesh, is an error instead of a warning.
       dcn_mesh: axis sizes across TPU slices (or hosts), e.g. ``{"data": 2}``; ``mesh`` then
-        gives the sizes within one slice (`replicator.mesh.hybrid_mesh_devices`): keep ``fsdp``
+        gives the sizes within one slice (`replicator.parallel.mesh.hybrid_mesh_devices`):
+        keep ``fsdp``
         and ``tensor`` inside slices, ``data`` (one all-reduce a step) across.
       min_size: parameters with fewer elements get no automatic FSDP (and, with the default
         rules, stay whole); rules you pass apply whatever the size. 0 shards every parameter.
@@ -170,7 +181,7 @@ class Replicator:
         return inputs.replicate(tree, self.mirrored_sharding)
 
     def param_shardings(self, abstract_params: PyTree) -> PyTree:
-        """Where each parameter lives on this mesh, from the rules (`replicator.sharding`).
+        """Where each parameter lives on this mesh, from the rules (`replicator.parallel.sharding`).
 
         Args:
           abstract_params: parameters or their shapes, with flax logical-axis annotations or
@@ -274,11 +285,11 @@ class Replicator:
         track_norm: bool = False,
     ) -> optax.GradientTransformation:
         """Wraps an optax optimizer so per-replica gradients are summed across replicas
-        (`replicator.optim`): with `compute_average_loss`, the gradient of the global-batch
+        (`replicator.step.optim`): with `compute_average_loss`, the gradient of the global-batch
         mean. Under `compile` it changes nothing; the optimizer state is exactly ``tx``'s.
         ``sync=rp.DiLoCo(inner_steps=H)`` trains groups of replicas apart instead (one per
         index of ``DiLoCo.axis``): gradients summed within a group, parameters averaged
-        through an outer optimizer every H steps (`replicator.diloco`; under `run` and
+        through an outer optimizer every H steps (`replicator.parallel.diloco`; under `run` and
         `compile`). This Replicator is left as it was: the optimizer's state says where the
         groups are.
 

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator import hlo
+from replicator.compiled import hlo as hlo
 from tests.test_grad_clip import (
     GLOBAL_BATCH,
     init_params,

@@ -21,9 +21,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import replicator as rp
-from replicator import checkpoint as ckpt_lib
 from replicator import storage, trainer
-from replicator.state import TrainState
+from replicator.checkpoints import checkpoint as ckpt_lib
+from replicator.step.state import TrainState
 from replicator.trainer import config as config_lib
 from tests.test_train import read_records
 

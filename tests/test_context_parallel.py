@@ -1,4 +1,4 @@
-"""Context parallelism (`replicator.context_parallel`) over the mesh axis ``context``.
+"""Context parallelism (`replicator.attention.context`) over the mesh axis ``context``.
 
 The invariant: attention over a sequence split on ``context`` (keys and values
 gathered, or passed round a ring; in order or load balanced) computes what one
@@ -18,8 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import context_parallel as cpl
-from replicator import hlo
+from replicator.attention import context as cpl
+from replicator.compiled import hlo as hlo
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 16, 2, 8
 

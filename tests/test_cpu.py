@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import replicator as rp
-from replicator import cpu
+from replicator.spmd import cpu as cpu
 
 
 def pool_loss(x):

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator import diloco
+from replicator.parallel import diloco as diloco
 from tests.compare import assert_trained_alike
 
 

@@ -5,8 +5,11 @@ import doctest
 import pytest
 
 import replicator as rp
-from replicator import checkpoint, context, errors, sharding, storage
+from replicator import errors, storage
+from replicator.checkpoints import checkpoint as checkpoint
+from replicator.parallel import sharding as sharding
 from replicator.runtime import tpu
+from replicator.spmd import context as context
 from replicator.trainer import config, config_files
 from replicator.trainer.data import sources
 

@@ -1,6 +1,6 @@
 """Eval anywhere: a run trained on 8 devices evaluates on 1 or 3, with the same numbers.
 
-The saved mesh is refitted to the devices there are (`replicator.mesh.refit_axis_sizes`):
+The saved mesh is refitted to the devices there are (`replicator.parallel.mesh.refit_axis_sizes`):
 the data axis (or the axis saved as -1) absorbs the difference, sharded axes keep
 what still divides. Training keeps asking for exactly its mesh.
 """
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from replicator.mesh import MESH_AXES, refit_axis_sizes
+from replicator.parallel.mesh import MESH_AXES, refit_axis_sizes
 from replicator.trainer.setup import _eval_mesh
 from tests.test_cli import assert_one_line_error, lines, run_cli
 from tests.test_train import read_records

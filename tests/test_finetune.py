@@ -9,8 +9,9 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator import hlo, trainer
-from replicator.checkpoint import Checkpoints
+from replicator import trainer
+from replicator.checkpoints.checkpoint import Checkpoints
+from replicator.compiled import hlo as hlo
 from replicator.trainer import init_from
 from replicator.trainer.optimizer import OptimizerSpec, describe, make_optimizer, mark_frozen
 from replicator.trainer.setup import setup, train_params

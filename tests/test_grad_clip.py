@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import replicator as rp
-from replicator import hlo
-from replicator.optim import GradNormState
+from replicator.compiled import hlo as hlo
+from replicator.step.optim import GradNormState
 from tests.compare import assert_trained_alike
 
 GLOBAL_BATCH = 48  # 6 per replica on 8: microbatches of 3

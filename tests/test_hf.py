@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator import sharding
 from replicator.errors import ConfigError
+from replicator.parallel import sharding as sharding
 from replicator.trainer import init_from, pretrained
 from replicator.trainer.evaluator import run_config
 from replicator.trainer.safetensors_files import INDEX, SafetensorsDir
@@ -276,7 +276,7 @@ def run_cli(*args, devices=8):
 def trained_logits(workdir, ids) -> np.ndarray:
     """The LM's logits with the parameters of the run's newest checkpoint."""
     from experiments.lm.task import make_model
-    from replicator.checkpoint import Checkpoints
+    from replicator.checkpoints.checkpoint import Checkpoints
     from replicator.trainer.setup import setup
 
     config = run_config(str(workdir))

@@ -1,4 +1,4 @@
-"""`replicator.hlo.analyze` against programs whose counts are known by hand, on 8 CPU
+"""`replicator.compiled.hlo.analyze` against programs whose counts are known by hand, on 8 CPU
 devices: FLOPs with loop trip counts, collectives by kind and mesh axis, HBM bytes."""
 
 import doctest
@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from replicator import hlo, replica_groups
+from replicator.compiled import hlo as hlo
+from replicator.compiled import replica_groups as replica_groups
 
 L, M, K, N = 5, 64, 128, 256  # layers; rows, contraction, columns of each matmul
 

@@ -60,10 +60,53 @@ def test_no_import_cycles():
         visit(node)
 
 
+LAYERS = ("trainer", "runtime")  # on top of (trainer) and beside (runtime) the library
+
+
+def library_modules() -> list[pathlib.Path]:
+    """The SPMD library: every module outside the trainer and the runtime."""
+    return [
+        p
+        for p in PACKAGE.rglob("*.py")
+        if p.relative_to(PACKAGE).parts[0] not in LAYERS
+        and p.name != "__main__.py"
+        and p != PACKAGE / "__init__.py"
+    ]
+
+
 def test_the_library_does_not_import_the_trainer():
-    library = [p for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-    for path in library:
+    for path in library_modules():
         assert not any(m.startswith("replicator.trainer") for m in imports_of(path)), path
+
+
+def test_the_library_sits_in_folders_by_concern():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "errors.py", "replicator.py", "storage.py"]
+    for folder in ("spmd", "step", "parallel", "attention", "checkpoints", "compiled"):
+        assert (PACKAGE / folder / "__init__.py").exists(), folder
+
+
+def _definitions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node, node.end_lineno - node.lineno + 1
+
+
+def test_every_room_is_small():
+    """A module at most 700 lines, a function 80, a class 400, the facade 300."""
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        name = path.relative_to(ROOT)
+        if source.count("\n") > 700:
+            too_big.append(f"{name}: {source.count(chr(10))} lines")
+        for node, lines in _definitions(ast.parse(source)):
+            limit = 80 if not isinstance(node, ast.ClassDef) else 400
+            if node.name == "Replicator":
+                limit = 300
+            if lines > limit:
+                too_big.append(f"{name}: {node.name} is {lines} lines (limit {limit})")
+    assert not too_big, "\n".join(too_big)
 
 
 def test_private_jax_only_in_the_compatibility_module():

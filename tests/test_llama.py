@@ -21,7 +21,7 @@ import replicator as rp
 from experiments.lm import Transformer, make_experiment
 from experiments.lm.layers import GatedFeedForward, apply_rotary, make_norm, rope_frequencies
 from experiments.lm.task import make_model, make_preprocess, summarize
-from replicator import remat
+from replicator.step import remat as remat
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 

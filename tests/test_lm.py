@@ -21,7 +21,7 @@ import replicator as rp
 from experiments.datasets import text
 from experiments.datasets.base import LocalBuilder
 from experiments.lm import Transformer, count_params, make_experiment, make_preprocess, summarize
-from replicator import activations
+from replicator.parallel import activations as activations
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 from tests.compare import assert_trained_alike

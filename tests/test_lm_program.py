@@ -21,7 +21,8 @@ import pytest
 
 import replicator as rp
 from experiments.lm import Transformer, make_experiment
-from replicator import attention, remat
+from replicator.attention import kernels as attention
+from replicator.step import remat as remat
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 from tests.compare import assert_trained_alike

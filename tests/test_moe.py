@@ -1,4 +1,4 @@
-"""Mixture of experts (`replicator.moe`) over the mesh axis ``expert``.
+"""Mixture of experts (`replicator.parallel.moe`) over the mesh axis ``expert``.
 
 The invariants: the layer equals an independent reference (every expert applied
 to every token, the over-capacity pairs found by a plain loop in position order)
@@ -19,7 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import hlo, moe
+from replicator.compiled import hlo as hlo
+from replicator.parallel import moe as moe
 
 E, K, D, F, S = 8, 2, 8, 16, 8  # experts, experts per token, width, hidden width, length
 

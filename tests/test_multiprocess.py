@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import replicator as rp
-from replicator.mesh import build_mesh
+from replicator.parallel.mesh import build_mesh
 from replicator.runtime import launch
 from replicator.runtime.processes import ProcessGroup, detect_process_group
 from tests.compare import assert_trained_alike

@@ -21,15 +21,15 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import attention as attention_lib
-from replicator import context_parallel as cpl
+from replicator.attention import context as cpl
+from replicator.attention import kernels as attention_lib
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 4, 16, 2, 8
 
 
 def test_docstring_examples_run():
     from experiments.lm import task
-    from replicator import flash
+    from replicator.attention import flash as flash
 
     assert doctest.testmod(flash, extraglobs={"np": np}).failed == 0
     for fn in (task.document_layout, task.document_separator):
@@ -235,7 +235,7 @@ needs_libtpu = pytest.mark.skipif(
 def test_segmented_attention_compiles_to_splash_for_a_tpu():
     # libtpu compiles for a v5e-4 from this CPU host: "auto" picks splash there, and
     # the segment ids reach the kernel (Pallas names its segmented variants so).
-    from replicator import topology
+    from replicator.compiled import topology as topology
 
     mesh = jax.sharding.Mesh(np.array(topology.devices("v5e-4")), ("data",))
     rows = NamedSharding(mesh, P("data"))

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 import replicator as rp
 from experiments.lm import make_experiment
 from experiments.lm.task import make_preprocess
-from replicator import hlo
-from replicator.pipelining import bubble_fraction
+from replicator.compiled import hlo as hlo
+from replicator.parallel.pipelining import bubble_fraction
 from replicator.trainer.experiment import Settings
 from tests.compare import assert_trained_alike
 

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import sharding as sh
-from replicator.mesh import DATA_AXES, MESH_AXES, build_mesh, hybrid_mesh_devices
-from replicator.state import TrainState
+from replicator.parallel import sharding as sh
+from replicator.parallel.mesh import DATA_AXES, MESH_AXES, build_mesh, hybrid_mesh_devices
+from replicator.step.state import TrainState
 from tests.compare import assert_trained_alike
 
 RULES = [("embed", "fsdp"), ("mlp", "tensor")]

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from replicator import topology
+from replicator.compiled import topology as topology
 from replicator.errors import TopologyError
 
 needs_libtpu = pytest.mark.skipif(
@@ -47,7 +47,7 @@ def run_cli(*args, cwd=ROOT):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("module", ["replicator.topology", "replicator.trainer.aot",
+@pytest.mark.parametrize("module", ["replicator.compiled.topology", "replicator.trainer.aot",
                                     "replicator.trainer.peaks"])  # fmt: skip
 def test_the_doctests(module):
     assert doctest.testmod(importlib.import_module(module)).failed == 0

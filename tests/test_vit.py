@@ -19,8 +19,8 @@ import pytest
 import replicator as rp
 from experiments.classify.hf import hf_checkpoint
 from experiments.classify.vit import ViT, check_shape, resize_position_embedding
-from replicator import sharding
 from replicator.errors import ConfigError
+from replicator.parallel import sharding as sharding
 from replicator.trainer import init_from, pretrained
 from replicator.trainer.safetensors_files import SafetensorsDir
 from tests.test_configs import CONFIG_DIR, load_config

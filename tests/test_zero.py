@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
-from replicator import sharding as sh
+from replicator.parallel import sharding as sh
 from tests.compare import assert_trained_alike
 
 RULES = [("embed", "fsdp"), ("mlp", "tensor")]

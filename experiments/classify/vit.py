@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 
-from replicator.activations import constrain
 from replicator.errors import ConfigError
+from replicator.parallel.activations import constrain
 
 EMBED, MLP, HEADS, KV = "embed", "mlp", "heads", "kv"
 ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")

@@ -18,8 +18,8 @@ Every parameter carries logical axis names (`nn.with_logical_partitioning`):
 ``embed``, ``heads`` (query heads, and key/value heads too: the rules split both
 over ``tensor`` where they divide, and keep them whole, with a warning, where not),
 ``kv`` (the head width), ``mlp``. Activations are named for the rules
-(`replicator.activations.constrain`) and, for rematerialisation, with MaxText's
-checkpoint names (`replicator.remat`).
+(`replicator.parallel.activations.constrain`) and, for rematerialisation, with MaxText's
+checkpoint names (`replicator.step.remat`).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from flax.linen.dtypes import promote_dtype
 from jax.ad_checkpoint import checkpoint_name
 
 from experiments.lm import kv_cache
-from replicator.activations import constrain
-from replicator.context_parallel import context_attention, context_size, sequence_positions
+from replicator.attention.context import context_attention, context_size, sequence_positions
+from replicator.parallel.activations import constrain
 
 VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 # The activations' logical axes (MaxText's names): the rules table shards them under
-# `Replicator.compile` (`replicator.activations.constrain`); under `run` they are no-ops.
+# `Replicator.compile` (`replicator.parallel.activations.constrain`); under `run` they are no-ops.
 ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
 ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
@@ -220,7 +220,7 @@ class SelfAttention(nn.Module):
             k, v = (jnp.repeat(x, self.num_heads // x.shape[2], axis=2) for x in (k, v))
             k, v = (constrain(x, ACTIVATION_BxTxHxD) for x in (k, v))
         # Over a "context" axis the sequence's blocks attend across devices
-        # (`replicator.context_parallel`); without one this is `causal_attention`.
+        # (`replicator.attention.context`); without one this is `causal_attention`.
         segments = {} if segment_ids is None else {"segment_ids": segment_ids}
         out_BxTxHxD = context_attention(
             q, k, v, strategy=self.context_strategy, load_balanced=balanced,

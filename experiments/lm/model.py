@@ -7,9 +7,9 @@ biases) or, by the model keys ``norm``, ``mlp_activation``, ``num_kv_heads``,
 ``head_dim``, ``rope_theta``, ``rope_scaling`` and ``qkv_bias``, the Llama family's
 (RMSNorm, grouped-query attention, SwiGLU, Llama 3's rotary scaling; `experiments.lm.layers`).
 The blocks are one ``nn.scan`` over parameters stacked on a ``layers`` axis
-(MaxText's ``scan_layers``), rematerialised by a named policy (`replicator.remat`),
+(MaxText's ``scan_layers``), rematerialised by a named policy (`replicator.step.remat`),
 and attention goes through each backend's fused kernel
-(`replicator.attention.causal_attention`: splash on TPU, cuDNN on GPU).
+(`replicator.attention.kernels.causal_attention`: splash on TPU, cuDNN on GPU).
 
 Every parameter carries logical axis names (`nn.with_logical_partitioning`):
 ``vocab`` and ``embed`` for embeddings, ``heads`` and ``kv`` (the head width)
@@ -46,10 +46,8 @@ from experiments.lm.layers import (  # noqa: F401  (apply_rotary: part of this m
     make_norm,
     normal,
 )
-from replicator import attention as attention_lib
-from replicator import remat as remat_lib
-from replicator.activations import constrain
-from replicator.context_parallel import (
+from replicator.attention import kernels as attention_lib
+from replicator.attention.context import (
     STRATEGIES,
     context_positions,
     context_size,
@@ -59,15 +57,17 @@ from replicator.context_parallel import (
     sequence_positions,
     split_sequence,
 )
-from replicator.moe import MoEFeedForward
-from replicator.pipelining import pipeline, stage_count
+from replicator.parallel.activations import constrain
+from replicator.parallel.moe import MoEFeedForward
+from replicator.parallel.pipelining import pipeline, stage_count
+from replicator.step import remat as remat_lib
 
 ATTENTION_IMPLEMENTATIONS = attention_lib.IMPLEMENTATIONS
 
 
 class Block(nn.Module):
     """A pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``;
-    with ``num_experts`` the MLP is a mixture of experts (`replicator.moe`), whose
+    with ``num_experts`` the MLP is a mixture of experts (`replicator.parallel.moe`), whose
     `MoEAux` it sows as ``intermediates/.../moe_aux``.
 
     ``scanned``: called by ``nn.scan`` over a stack of blocks, so it returns ``(x,
@@ -237,11 +237,11 @@ class Transformer(nn.Module):
       use_bias: biases in the attention and MLP projections (GPT-2 has them).
       dropout_rate: dropout on the embeddings and each residual branch while
         training (``train=True`` with a ``"dropout"`` rng).
-      attention: `replicator.attention.causal_attention`'s implementation:
+      attention: `replicator.attention.kernels.causal_attention`'s implementation:
         ``"auto"`` (Pallas splash attention on TPU, cuDNN on GPUs for 16-bit
         inputs, else XLA), ``"splash"``, ``"cudnn"`` or ``"xla"``.
       remat_policy: which of each block's activations the backward pass keeps
-        (`replicator.remat`: MaxText's names, e.g. ``"full"`` keeps only the
+        (`replicator.step.remat`: MaxText's names, e.g. ``"full"`` keeps only the
         block's input, ``"minimal"`` the projections); None keeps all of them.
       scan_layers: the blocks as one ``nn.scan`` over parameters stacked on a
         leading ``layers`` axis (``params/blocks/...``, ``[num_layers, ...]``):

@@ -31,7 +31,7 @@ from experiments.lm.model import Transformer
 from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("loss", "perplexity")
-# The weights of a mixture of experts' auxiliary losses (`replicator.moe.MoEAux`), means
+# The weights of a mixture of experts' auxiliary losses (`replicator.parallel.moe.MoEAux`), means
 # over the MoE layers, in the training loss: Switch's load balancing and ST-MoE's z-loss.
 MOE_BALANCE_WEIGHT = 1e-2
 MOE_Z_LOSS_WEIGHT = 1e-3
@@ -141,7 +141,7 @@ def nats_and_moe_aux(
     model: Any, params: Any, batch: Mapping[str, jax.Array], **kwargs
 ) -> tuple[jax.Array, Any]:
     """`token_nats` and, for a mixture-of-experts model, the mean over its MoE layers
-    of their `replicator.moe.MoEAux` (None for a dense one)."""
+    of their `replicator.parallel.moe.MoEAux` (None for a dense one)."""
     moe = bool(getattr(model, "num_experts", None))
     # Packed documents: each token's document and position in it (`document_layout`).
     kwargs.update({key: batch[key] for key in ("positions", "segment_ids") if key in batch})

@@ -227,7 +227,7 @@ class ElasticIslands:
     every ``inner_steps`` the loop calls `sync`, which averages the islands'
     outer gradients over the processes alive at that moment (membership check,
     then one mean through JAX's coordination service: `LiveGroup`) and applies
-    the outer step (`replicator.diloco.DiLoCo.outer_step`). An island that died
+    the outer step (`replicator.parallel.diloco.DiLoCo.outer_step`). An island that died
     is dropped at the next sync and the survivors finish the run with the same
     parameters, bitwise. A sync that cannot complete within ``timeout_s`` raises
     `SyncTimeout` naming the missing processes; exit with ``EXIT_SYNC_TIMEOUT``

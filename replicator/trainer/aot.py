@@ -2,16 +2,16 @@
 
 The trainer's own `Run` (`replicator.trainer.setup`: mesh, rules, ``dcn_mesh``,
 precision, accumulation, ZeRO/FSDP, remat) is built over the devices of a TPU
-topology (`replicator.topology`), and its train and eval steps are lowered from
+topology (`replicator.compiled.topology`), and its train and eval steps are lowered from
 abstract inputs (`jax.ShapeDtypeStruct` with the state's and the batch's
 shardings) and compiled by libtpu. Nothing is created or run: no TPU is needed.
 
 What comes out, per chip (`CompileReport`): the compiler's memory analysis split
 into parameters, optimizer state, other arguments, temporaries and generated
 code, against the chip's HBM; the step's FLOPs and HBM traffic and its
-collectives by kind and mesh axis, ICI or DCN (`replicator.hlo.analyze`, loop
+collectives by kind and mesh axis, ICI or DCN (`replicator.compiled.hlo.analyze`, loop
 trip counts included); and a roofline step time from the chip's published
-peaks (`replicator.topology.CHIPS`). The report and the optimized HLO go to
+peaks (`replicator.compiled.topology.CHIPS`). The report and the optimized HLO go to
 ``WORKDIR/compile/``.
 
 Memory: ``total = arguments + outputs - aliased (donated) + temporaries +
@@ -39,8 +39,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from replicator import diloco, hlo, placement, storage, topology
+from replicator import storage
+from replicator.compiled import hlo as hlo
+from replicator.compiled import topology as topology
 from replicator.errors import ConfigError, TopologyError
+from replicator.parallel import diloco as diloco
+from replicator.parallel import placement as placement
 from replicator.trainer import data
 from replicator.trainer.setup import Run, setup, sync_policy
 
@@ -60,9 +64,9 @@ class StepReport:
         outputs (not donated), temporaries, generated code.
       total_bytes: the step's HBM need (see the module's docstring).
       fits: whether it fits one chip's HBM.
-      flops: FLOPs per chip per step (`replicator.hlo.analyze`; None without a program).
+      flops: FLOPs per chip per step (`replicator.compiled.hlo.analyze`; None without a program).
       hbm_bytes: HBM bytes read and written per chip per step (estimate).
-      collectives: one dict per `replicator.hlo.Collective`.
+      collectives: one dict per `replicator.compiled.hlo.Collective`.
       roofline: seconds per step bound by compute, HBM, ICI and DCN, their max and
         the bound's name, and the MFU ceiling that implies.
       compile_s: seconds to lower and compile.
@@ -263,7 +267,7 @@ class _Shape(jax.ShapeDtypeStruct):
 
 def abstract_state(run: Run) -> Any:
     """`Run.abstract_state`, with DiLoCo's per-island rows marked as `run` marks the
-    arrays it makes (`replicator.groups`)."""
+    arrays it makes (`replicator.parallel.groups`)."""
     sync = sync_policy(run.config)
     if sync is None or run.repl.mesh.shape[sync.axis] == 1:
         return run.abstract_state

@@ -317,7 +317,7 @@ def _eval(config, workdir: str, console: Console, chief: bool) -> None:
 def _compile(console: Console) -> None:
     """``compile``: the config's steps compiled for ``--topology``; exit status 2 when
     they do not fit a chip (the report is written either way)."""
-    from replicator import topology
+    from replicator.compiled import topology as topology
 
     if _CONFIG.value is None:
         raise UsageError("--config is required; see `python -m replicator compile -h`")

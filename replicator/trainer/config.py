@@ -23,8 +23,10 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from replicator import remat, sharding, storage
+from replicator import storage
 from replicator.errors import ConfigError as ConfigError
+from replicator.parallel import sharding as sharding
+from replicator.step import remat as remat
 
 _REQUIRED = object()
 
@@ -163,7 +165,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "remat_policy": (
         (str, None),
         None,
-        "which activations the backward pass keeps (replicator.remat, MaxText's names): "
+        "which activations the backward pass keeps (replicator.step.remat, MaxText's names): "
         "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
         "'minimal_offloaded'",
     ),
@@ -515,7 +517,7 @@ def _library_problems(values: dict[str, Any]) -> list[str]:
     """What the library would refuse later, said now: the optimizer, the mesh's axes."""
     import optax
 
-    from replicator import mesh as mesh_lib
+    from replicator.parallel import mesh as mesh_lib
 
     problems = []
     alias = getattr(optax, values["optimizer"], None)

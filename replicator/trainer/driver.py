@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from replicator import ema, storage
-from replicator.checkpoint import CheckpointMismatchError, Checkpoints
+from replicator import storage
+from replicator.checkpoints.checkpoint import CheckpointMismatchError, Checkpoints
+from replicator.step import ema as ema
 from replicator.trainer import actions as act
 from replicator.trainer import aot, init_from, lease, pretrained
 from replicator.trainer import config as config_lib

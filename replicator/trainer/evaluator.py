@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from replicator import ema as ema_lib
 from replicator import storage
-from replicator.checkpoint import Checkpoints, CorruptCheckpointError
+from replicator.checkpoints.checkpoint import Checkpoints, CorruptCheckpointError
 from replicator.errors import ConfigError
+from replicator.step import ema as ema_lib
 from replicator.trainer import config as config_lib
 from replicator.trainer import data
 from replicator.trainer.setup import Run, setup, sync_policy
@@ -66,7 +66,7 @@ EMA = "ema_"  # the prefix of the EMA parameters' metrics
 def eval_views(run: Run, state: Any, *, params: bool = True, ema: bool = True) -> dict[str, Any]:
     """What eval evaluates of a train state, by the prefix of its metrics: ``""`` the
     parameters, ``"ema_"`` their moving average where the run keeps one
-    (`replicator.ema`). Works on label trees too (`_picked`)."""
+    (`replicator.step.ema`). Works on label trees too (`_picked`)."""
     views = {"": run.eval_state(state)} if params else {}
     if ema and run.config.ema_decay is not None:
         views[EMA] = run.eval_state(ema_lib.with_ema_params(state))

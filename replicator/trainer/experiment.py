@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 
 import replicator as rp
-from replicator.diloco import DiLoCo
 from replicator.errors import ConfigError
+from replicator.parallel.diloco import DiLoCo
 from replicator.replicator import Replicator
 from replicator.trainer.optimizer import OptimizerSpec, make_optimizer
 
@@ -49,7 +49,7 @@ class Settings:
       sync: the optimizer's synchronisation: None (every step) or `rp.DiLoCo`.
       optimizer_spec: the config's optimizer keys (schedule, decay, clipping, EMA,
         freezing); None: ``optimizer`` at a constant ``learning_rate``.
-      remat_policy: the config's ``remat_policy`` (`replicator.remat`); an experiment
+      remat_policy: the config's ``remat_policy`` (`replicator.step.remat`); an experiment
         whose model names no tensors refuses anything but None.
       pipeline_microbatches: the config's ``pipeline_microbatches``: how many
         pieces a layer stack's pipeline (`rp.pipeline`, over the mesh's ``stage``

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from replicator import storage
-from replicator.checkpoint import Checkpoints
+from replicator.checkpoints.checkpoint import Checkpoints
 from replicator.errors import ConfigError, UsageError
 from replicator.trainer import init_from, pretrained
 from replicator.trainer.evaluator import run_config

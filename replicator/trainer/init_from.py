@@ -32,7 +32,11 @@ from typing import Any
 import jax
 
 from replicator import storage
-from replicator.checkpoint import CheckpointMismatchError, Checkpoints, CorruptCheckpointError
+from replicator.checkpoints.checkpoint import (
+    CheckpointMismatchError,
+    Checkpoints,
+    CorruptCheckpointError,
+)
 from replicator.errors import ConfigError
 
 log = logging.getLogger("replicator")

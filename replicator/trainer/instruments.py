@@ -10,7 +10,9 @@ from typing import Any
 import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from replicator import diloco, hlo, sharding
+from replicator.compiled import hlo as hlo
+from replicator.parallel import diloco as diloco
+from replicator.parallel import sharding as sharding
 from replicator.trainer.peaks import peak_flops_per_second
 
 log = logging.getLogger("replicator")
@@ -116,7 +118,7 @@ def summarize_run(run, watch: Stopwatch, state, end, start: int, *, completed: b
 def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
     """The train step's FLOPs and model FLOPs utilization over ``steps``.
 
-    FLOPs are the matrix products of the compiled step (`replicator.hlo.analyze`:
+    FLOPs are the matrix products of the compiled step (`replicator.compiled.hlo.analyze`:
     every loop's body as many times as it runs, so scanned layers and gradient
     accumulation count in full, where XLA's ``cost_analysis()`` sees a loop's body
     once). MFU = FLOPs per step x steps / compute time / peak FLOP/s of the mesh's
@@ -154,7 +156,7 @@ def _utilization(run, state, batch, steps: int, watch: Stopwatch) -> dict:
 
 def _island_traffic(run, program: str, state) -> dict:
     """DiLoCo's bytes per step between islands, measured from the step's HLO
-    (`replicator.hlo`), next to what data parallelism's gradient all-reduce over the
+    (`replicator.compiled.hlo`), next to what data parallelism's gradient all-reduce over the
     same replicas would send."""
     settings = dict(run.config.diloco)
     axis, inner_steps = settings.get("axis", "data"), settings["inner_steps"]

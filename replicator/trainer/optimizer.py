@@ -16,7 +16,7 @@ What a researcher sets, each one optax piece, composed in one place
    which is its learning rate times that factor at every step of the schedule;
 4. ``freeze``: ``optax.multi_transform`` with ``optax.set_to_zero`` for the
    matching parameters, which then hold no optimizer state;
-5. ``ema_decay``: `replicator.ema.track`, last, so it averages the new parameters.
+5. ``ema_decay``: `replicator.step.ema.track`, last, so it averages the new parameters.
 
 The Replicator's wrapper goes around all of it (`Replicator.wrap_optimizer`): the
 gradients are summed (``grad_reduce_dtype``), their global norm kept and clipped
@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from replicator import ema
 from replicator.errors import ConfigError
-from replicator.state import TrainState
+from replicator.step import ema as ema
+from replicator.step.state import TrainState
 
 PyTree = Any
 

@@ -9,13 +9,13 @@ import time
 import jax
 import numpy as np
 
-from replicator.topology import chip_spec
+from replicator.compiled.topology import chip_spec
 
 
 def data_sheet_peak(device_kind: str) -> tuple[float, str] | None:
     """The dense bf16 matmul peak of one chip of ``device_kind`` and its source, or
     None for a chip not in the table (CPUs included). The peaks live in the one
-    table of chip specs, `replicator.topology.CHIPS`.
+    table of chip specs, `replicator.compiled.topology.CHIPS`.
 
     >>> data_sheet_peak("NVIDIA H100 80GB HBM3")
     (989000000000000.0, 'NVIDIA H100 bf16 data sheet')
@@ -31,7 +31,7 @@ def data_sheet_peak(device_kind: str) -> tuple[float, str] | None:
 def peak_flops_per_second(devices: list[jax.Device]) -> tuple[float, str] | None:
     """The matmul peak of ``devices`` together, and where the number comes from.
 
-    Accelerators: the data-sheet dense bf16 peak of their chip (`replicator.topology`)
+    Accelerators: the data-sheet dense bf16 peak of their chip (`replicator.compiled.topology`)
     times their count. CPUs: an f32 matmul measured now on one of this process's devices
     (chains of dependent 1024x1024 products, best of a few rounds, about
     0.3 s), times the number of hosts (`_num_hosts`): a host's CPU devices

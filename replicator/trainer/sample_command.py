@@ -168,7 +168,7 @@ def _restore_params(run: Any, workdir: str, step: int | None, strict: bool) -> t
     the workdir's checkpoint (``step`` or the newest), else ``config.init_from``'s
     weights in a fresh model (step None)."""
     from replicator import storage
-    from replicator.checkpoint import Checkpoints
+    from replicator.checkpoints.checkpoint import Checkpoints
     from replicator.trainer import init_from, pretrained
 
     config = run.config

@@ -24,12 +24,15 @@ import numpy as np
 import optax
 
 import replicator as rp
-from replicator import diloco, groups, offload, sharding
-from replicator import mesh as mesh_lib
-from replicator.context import get_replica_context, varying_axes
 from replicator.errors import ConfigError, UserError
+from replicator.parallel import diloco as diloco
+from replicator.parallel import groups as groups
+from replicator.parallel import mesh as mesh_lib
+from replicator.parallel import sharding as sharding
 from replicator.replicator import ReduceOp, Replicator
-from replicator.state import TrainState
+from replicator.spmd.context import get_replica_context, varying_axes
+from replicator.step import offload as offload
+from replicator.step.state import TrainState
 from replicator.trainer import config as config_lib
 from replicator.trainer import data, optimizer
 from replicator.trainer.experiment import Experiment, Settings
@@ -190,7 +193,7 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
                 # was said when training, and asks nothing of the user now.
                 warnings.simplefilter("ignore", sharding.ShardingWarning)
             shardings = _state_shardings(repl, abstract)
-    else:  # DiLoCo: parameters and inner state in rows, one per group (`replicator.groups`)
+    else:  # DiLoCo: parameters and inner state in rows, one per group (parallel/groups.py)
         init, shardings = _diloco_layout(repl, sync, init, abstract)
         abstract = jax.eval_shape(init)
     if config.offload_optimizer_state:  # between steps in host memory: TrainState's update
@@ -303,7 +306,7 @@ def _eval_mesh(
     mesh: dict[str, int], dcn_mesh: dict[str, int] | None, devices=None
 ) -> tuple[dict[str, int], dict[str, int] | None]:
     """The mesh (and DCN mesh) to evaluate on: the run's where it fits these devices,
-    else refitted to them (`replicator.mesh.refit_axis_sizes`) with one line saying so.
+    else refitted to them (`replicator.parallel.mesh.refit_axis_sizes`) with one line saying so.
 
     Eval's numbers do not depend on the mesh (every example counts once), so a run
     trained on 8 devices evaluates on 1 or 3 without flags. A multi-slice layout that
@@ -404,7 +407,7 @@ def sync_policy(config: ml_collections.ConfigDict) -> diloco.DiLoCo | None:
 
 
 def _diloco_layout(repl: Replicator, sync: diloco.DiLoCo, init: Callable, abstract: Any):
-    """DiLoCo's state, created in rows, and its shardings (`replicator.groups.initial_rows`)."""
+    """DiLoCo's state, created in rows, and its shardings (`parallel.groups.initial_rows`)."""
     if repl.mesh.shape["tensor"] > 1:
         raise ConfigError(
             "config.diloco keeps the parameters replicated: use a mesh without tensor."
@@ -467,7 +470,7 @@ def _make_steps(
     """The experiment's steps on the configured path, their sums reduced across replicas.
 
     Both keep the state in its shardings from step to step: ``compile`` through
-    them (XLA partitions the step), ``run`` as ZeRO (`replicator.zero`:
+    them (XLA partitions the step), ``run`` as ZeRO (`replicator.parallel.zero`:
     parameters gathered for the step, each device updating its slice).
     """
     train_fn = _with_matmul_precision(experiment.train_step, config.matmul_precision)
