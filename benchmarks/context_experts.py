@@ -105,6 +105,7 @@ def lm_config(path: str, *, max_len: int, mesh: dict, batch: int, strategy: str,
     config.batch_size = config.eval_batch_size = batch
     config.context_strategy = strategy
     config.step_path = "compile"
+    config.remat_policy, config.grad_accum_steps = "full", 1  # the tables' program
     return config
 
 
@@ -245,7 +246,7 @@ def measure_moe(rounds: int, steps: int) -> dict:
 
 
 def measure(only: set[str], tpu: bool, rounds: int) -> dict:
-    from replicator.trainer.aot import _versions
+    from replicator.trainer.aot import compiler_versions as _versions
 
     result = {"command": trials.command(), "machine": trials.machine(), "versions": _versions()}
     start = time.perf_counter()

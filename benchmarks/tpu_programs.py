@@ -60,15 +60,15 @@ def cases() -> dict[str, list[dict]]:
     shipped = [
         _case("lm_1b", lm1b, "v5e-16"),
         _case("lm_1b", lm1b, "v4-32"),
-        _case("lm_1b", lm1b, "v5p-128"),
-        _case("lm_1b", lm1b, "v5e-16", 2),
+        _case("lm_1b", lm1b, "v5p-128", grad_accum_steps="1"),
+        _case("lm_1b", lm1b, "v5e-16", 2, grad_accum_steps="1"),
         _case("lm_gpt2_124m", "configs/lm_gpt2_124m.py", "v5e-16"),
         _case("lm_8b", "configs/lm_8b.py", "v5p-128"),
         _case("lm_8b", "configs/lm_8b.py", "v5p-128", 2),
         _case("digits_cnn", "configs/digits_cnn.py", "v5e-16", batch_size=256),
         _case("gan_digits", "configs/gan_digits.py", "v5e-16", batch_size=256),
     ]
-    one = dict(batch_size=16, remat_policy="None")
+    one = dict(batch_size=16, remat_policy="None", grad_accum_steps="1")
     before = dict(
         one, **{"model.scan_layers": "False", "model.attention": "xla"},
         rules=UNPLACED_RULES,
@@ -93,7 +93,7 @@ def cases() -> dict[str, list[dict]]:
         for remat in ("full", "minimal", "None"):
             ours.append(
                 _case(f"replicator remat {remat}", lm1b, topology, slices,
-                      batch_size=batch, remat_policy=remat)
+                      batch_size=batch, remat_policy=remat, grad_accum_steps="1")
             )  # fmt: skip
     return {"shipped": shipped, "levers": levers, "vs_maxtext": ours}
 
@@ -109,7 +109,9 @@ def compile_case(case: dict, workdir: str) -> dict:
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=trials.REPO_DIR, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    path = os.path.join(workdir, "compile", "report.json")
+    # The compile's one folder (compile_<overrides>/): this case's workdir is its own.
+    found = glob.glob(os.path.join(workdir, "compile*", "report.json"))
+    path = found[0] if found else os.path.join(workdir, "compile", "report.json")
     if not os.path.exists(path):
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {**case, "error": " | ".join(tail), "wall_s": seconds}
@@ -162,9 +164,9 @@ def measure(only: set[str]) -> dict:
                 row = compile_case(case, os.path.join(scratch, f"{table}_{i}"))
                 print("   ", row.get("error") or _brief(row), flush=True)
                 result["cases"][table].append(row)
-    from replicator.trainer.aot import _versions
+    from replicator.trainer.aot import compiler_versions
 
-    result["versions"] = _versions()
+    result["versions"] = compiler_versions()
     return result
 
 

@@ -13,7 +13,7 @@ and the checkpoints ``init_from='hf:DIR'`` reads.
 Expected: the first train loss is about ln 256 = 5.5 nats per byte (3.8 at the
 first record, step 10); eval loss 2.38 (perplexity 10.8) after 100 steps and 1.82
 (perplexity 6.2) after 300 on the 584 test windows, with seed 0 (lm_tiny's GPT-2
-block, 3.6 times the parameters: 2.16). Runtime: 9 minutes on one device of a
+block, 3.6 times the parameters: 2.14). Runtime: 9 minutes on one device of a
 2-core CPU shared with other jobs (1.4 s a step; 46 s compiling), holding 1.5 MB of
 state.
 

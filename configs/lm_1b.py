@@ -7,8 +7,10 @@ gradients clipped at norm 1; 50 warmup steps, cosine decay to 10%), a global
 batch of 64 windows (131,072 tokens: one window per chip on a v5p-128, four on
 a v5e-16). The mesh shards parameters and optimizer state over every device
 (``fsdp=-1``), and the activations' batch with them; the 20 blocks are one
-scanned block over stacked parameters, each recomputed in the backward pass
-(``remat_policy='full'``: only the blocks' inputs are kept). Attention is Pallas
+scanned block over stacked parameters. Each step runs as four microbatches of 16
+windows (``grad_accum_steps=4``: one window per chip of a v5e-16) with nothing
+recomputed in the backward pass (``remat_policy=None``): the fastest program that
+fits a v5e-16 of those ``compile --fit`` tried. Attention is Pallas
 splash attention on TPU (the causal half skipped, no scores in HBM), cuDNN's
 fused kernel on GPUs. Data: every ``.py`` file of the interpreter's standard
 library (``python_stdlib/all_2048``: about 14,500 train windows of 2,048 bytes,
@@ -19,10 +21,15 @@ on any machine with the ``tpu`` extra):
 
     python -m replicator compile --config configs/lm_1b.py --topology v5e-16
 
-As shipped it needs 3.5 GB of a v5e chip's 15.75 (compiled with libtpu from a
-CPU host, jax 0.10.2; ``docs/benchmarks.md``, "TPU programs"). Where memory
-allows, ``--config.remat_policy=minimal`` (8.8 GB on a v5e-16) or ``None`` trade
-memory for the recomputation's third more compute.
+As shipped it needs 8.53 GiB of a v5e chip's 15.75, with a roofline of 291 ms per
+step, compute-bound (0.82 of MaxText's default program for this shape, 355 ms;
+compiled with libtpu 0.0.42.1 from a CPU host, jax 0.10.2; ``docs/benchmarks.md``,
+"TPU programs" and "compile --fit"). ``compile --fit`` finds the fastest program
+for another slice: on a v5p-128 (one window per chip) four microbatches do not
+divide the batch, and ``--config.grad_accum_steps=1`` (7.36 GiB, 31.2 ms) is the
+fastest; on one GPU, whose memory holds no 16 windows' activations unrecomputed,
+``--config.remat_policy=full --config.grad_accum_steps=1`` (every block recomputed,
+only its input kept) is the program of the H100 figures in docs/benchmarks.md.
 
 Expected: not measured end to end (no accelerator was available when it was
 written).
@@ -74,7 +81,8 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     # path gathers each parameter whole for the step: 3.6 GB of float32 here).
     c.step_path = "compile"
     c.precision = "bf16"
-    c.remat_policy = "full"  # keep each block's input only (replicator.step.remat)
+    c.remat_policy = None  # keep every activation (replicator.step.remat: "full" keeps inputs)
+    c.grad_accum_steps = 4  # microbatches of 16 windows: one per chip of a v5e-16
     c.log_every_steps = 50
     c.eval_every_steps = 250
     c.checkpoint_every_steps = 250
@@ -85,6 +93,7 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
         c.model.update(num_layers=1, num_heads=2, embed_dim=32, mlp_dim=128, max_len=128)
         c.dataset = "python_stdlib/modules_128"
         c.batch_size = 16
+        c.grad_accum_steps = 1
         c.eval_batch_size = 64
         c.num_train_steps = 4
         c.warmup_steps = 2

@@ -5,18 +5,19 @@ Write a step function as if for one device; `Replicator.run` (per replica, on
 runs it on every device.
 """
 
-from replicator import attention as attention  # rp.attention.causal_attention, per backend
-from replicator.attention.context import context_attention as context_attention  # "context" axis
+# Public modules: rp.attention (causal_attention per backend, context_attention),
+# rp.topology (a TPU slice to compile for), rp.diloco (DiLoCo's outer view, traffic,
+# elastic islands), rp.moe (experts over the "expert" axis), rp.ema (an EMA of the
+# parameters), rp.offload (state in host memory), rp.remat (MaxText's named policies).
+from replicator import attention as attention
+from replicator.attention.context import context_attention as context_attention
 from replicator.checkpoints.checkpoint import Checkpoints as Checkpoints
-from replicator.compiled import (
-    topology as topology,  # rp.topology.devices: a TPU slice to compile for
-)
+from replicator.compiled import topology as topology
 from replicator.errors import UserError as UserError
-from replicator.parallel import moe as moe  # rp.moe.moe_layer: experts over the "expert" axis
+from replicator.parallel import diloco as diloco
+from replicator.parallel import moe as moe
 from replicator.parallel.diloco import DiLoCo as DiLoCo
-from replicator.parallel.pipelining import (
-    pipeline as pipeline,  # a layer stack over the "stage" axis
-)
+from replicator.parallel.pipelining import pipeline as pipeline
 from replicator.replicator import ReduceOp as ReduceOp
 from replicator.replicator import Replicator as Replicator
 from replicator.runtime.processes import initialize as initialize
@@ -25,9 +26,9 @@ from replicator.spmd.context import ReplicaContext as ReplicaContext
 from replicator.spmd.context import get_replica_context as get_replica_context
 from replicator.spmd.context import replica_key as replica_key
 from replicator.spmd.per_replica import PerReplica as PerReplica
-from replicator.step import ema as ema  # rp.ema.track: an EMA of the parameters
-from replicator.step import offload as offload  # rp.offload: state in host memory between steps
-from replicator.step import remat as remat  # rp.remat.checkpoint_policy: MaxText's named policies
+from replicator.step import ema as ema
+from replicator.step import offload as offload
+from replicator.step import remat as remat
 from replicator.step.losses import compute_average_loss as compute_average_loss
 from replicator.step.losses import global_sum as global_sum
 from replicator.step.losses import scale_regularization_loss as scale_regularization_loss

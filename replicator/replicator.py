@@ -1,6 +1,8 @@
 """The Replicator, a facade: one mesh, and the two ways of running a step function on it,
 `run` (per replica, `replicator.spmd.replica_program`) and `compile` (the global view,
-`replicator.spmd.global_view`), over placement, inputs, dispatch, groups and reduction modules."""
+`replicator.spmd.global_view`), built together (`replicator.spmd.paths`), over the inputs,
+reduction, optimizer and sharding modules (its rules: `replicator.parallel.sharding`'s
+`ShardingPlanner`)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,13 @@ import optax
 
 from replicator.parallel import diloco as diloco
 from replicator.parallel import groups as groups
-from replicator.parallel import placement as placement
 from replicator.parallel import sharding as sharding
 from replicator.parallel.mesh import build_mesh
-from replicator.spmd import cpu as cpu
-from replicator.spmd import dispatch as dispatch
 from replicator.spmd import inputs as inputs
 from replicator.spmd import reduction as reduction
-from replicator.spmd.global_view import Compiled, GlobalView
+from replicator.spmd.global_view import Compiled
+from replicator.spmd.paths import build_paths
 from replicator.spmd.reduction import ReduceOp
-from replicator.spmd.replica_program import ReplicaPrograms
 from replicator.step import optim as optim
 from replicator.step.precision import Policy, apply_policy, get_policy
 
@@ -43,21 +42,18 @@ class Replicator:
         deadlocked XLA:CPU's all-reduce rendezvous), no bound elsewhere
         (`replicator.spmd.dispatch`).
       cpu_defaults: on a CPU mesh, apply `replicator.spmd.cpu.configure` (faster max pooling and
-        convolutions, glibc keeping freed memory; some process-wide): 3-6x faster training
-        of the tutorial CNN on CPU. False keeps JAX's defaults.
+        convolutions, glibc keeping freed memory; some process-wide): 3-6x faster training of the
+        tutorial CNN on CPU. False keeps JAX's defaults.
       rules: how parameters shard: ``(logical_axis, mesh_axis)`` pairs for flax logical-axis
-        annotations, or ``(path_regex, (mesh_axis, ...))``; None:
-        `replicator.parallel.sharding.DEFAULT_RULES` (FSDP on ``fsdp``, Megatron-style
-        ``mlp``/``heads``
-        on ``tensor``). See `param_shardings`.
-      strict: a rule that matches nothing, or a large parameter left replicated on a sharded
-        mesh, is an error instead of a warning.
-      dcn_mesh: axis sizes across TPU slices (or hosts), e.g. ``{"data": 2}``; ``mesh`` then
-        gives the sizes within one slice (`replicator.parallel.mesh.hybrid_mesh_devices`):
-        keep ``fsdp``
+        annotations, or ``(path_regex, (mesh_axis, ...))``; None: `sharding.DEFAULT_RULES` (FSDP on
+        ``fsdp``, Megatron-style ``mlp``/``heads`` on ``tensor``). See `param_shardings`.
+      strict: a rule that matches nothing, or a large parameter left replicated on a sharded mesh,
+        is an error instead of a warning.
+      dcn_mesh: axis sizes across TPU slices (or hosts), e.g. ``{"data": 2}``; ``mesh`` then gives
+        the sizes within one slice (`replicator.parallel.mesh.hybrid_mesh_devices`): keep ``fsdp``
         and ``tensor`` inside slices, ``data`` (one all-reduce a step) across.
-      min_size: parameters with fewer elements get no automatic FSDP (and, with the default
-        rules, stay whole); rules you pass apply whatever the size. 0 shards every parameter.
+      min_size: parameters with fewer elements get no automatic FSDP (and, with the default rules,
+        stay whole); rules you pass apply whatever the size. 0 shards every parameter.
 
     Attributes:
       mesh: the `jax.sharding.Mesh`, axes ``("data", "fsdp", "tensor")``.
@@ -90,27 +86,18 @@ class Replicator:
         dcn_mesh: Mapping[str, int] | None = None,
         min_size: int = sharding.MIN_SHARD_SIZE,
     ):
-        if not isinstance(min_size, int) or min_size < 0:
-            raise ValueError(f"min_size must be an int >= 0 (elements), got {min_size!r}.")
-        self.min_size = min_size
-        bound = dispatch.checked_bound(max_steps_in_flight)
         self.mesh = build_mesh(devices, mesh, dcn_mesh)
+        self._planner = sharding.ShardingPlanner(self.mesh, rules, strict=strict, min_size=min_size)
+        self.rules, self.strict, self.min_size = rules, strict, min_size
         self.precision = get_policy(precision)
-        self._roles = roles = placement.Roles(self.mesh)
+        paths = build_paths(self.mesh, self.precision, rules, max_steps_in_flight, cpu_defaults)
+        self._roles = roles = paths.roles
         self.axis_name, self.num_replicas = roles.axis_name, roles.num_replicas
         self.batch_sharding, self.mirrored_sharding = roles.batch_sharding, roles.mirrored_sharding
         self._feeders = inputs.feeding_processes(roles)
-        devices = list(self.mesh.devices.flat)
-        in_flight = self._in_flight = dispatch.StepsInFlight(bound, devices)
-        options = self._compiler_options = cpu.configure(devices) if cpu_defaults else None
-        self.rules, self.strict, self._plan = rules, strict, None
-        # DiLoCo's replica groups: which calls' states train apart (said by the states).
-        replica_groups = groups.ReplicaGroups(self.mesh, in_flight, options)
-        self._programs = ReplicaPrograms(roles, replica_groups, self.precision, in_flight, options)
+        self._in_flight, self._compiler_options = paths.in_flight, paths.compiler_options
+        self._programs, self._global_view = paths.programs, paths.global_view
         self._run_cache, self._run_step = self._programs.cache, self._programs.prepare
-        self._global_view = GlobalView(
-            roles, self.precision, in_flight, replica_groups, options, rules
-        )
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -147,7 +134,7 @@ class Replicator:
           A ``slice``: ``global_batch_size // jax.process_count()`` rows when the replicas span
           the processes (data parallelism), all of them where each process holds every replica.
 
-        >>> rp.Replicator().process_rows(16)
+        >>> Replicator().process_rows(16)
         slice(0, 16, None)
         """
         return inputs.process_rows(global_batch_size, self._roles, self._feeders)
@@ -181,19 +168,11 @@ class Replicator:
         return inputs.replicate(tree, self.mirrored_sharding)
 
     def param_shardings(self, abstract_params: PyTree) -> PyTree:
-        """Where each parameter lives on this mesh, from the rules (`replicator.parallel.sharding`).
-
-        Args:
-          abstract_params: parameters or their shapes, with flax logical-axis annotations or
-            without (path rules and automatic FSDP apply).
-
-        Returns:
-          The same structure of `NamedSharding`s (flax boxes kept).
-        """
-        self._plan = sharding.plan_param_shardings(
-            abstract_params, self.mesh, self.rules, strict=self.strict, min_size=self.min_size
-        )
-        return self._plan.shardings
+        """Where each parameter lives on this mesh, by its rules: for ``abstract_params``
+        (parameters or their shapes, with flax logical-axis annotations or without: path rules
+        and automatic FSDP apply), the same structure of `NamedSharding`s, flax boxes kept
+        (`replicator.parallel.sharding_rules`)."""
+        return self._planner.param_shardings(abstract_params)
 
     def init(self, init_fn: Callable, *args: Any) -> PyTree:
         """``init_fn(*args)`` created directly in its shardings: parameters as `param_shardings`
@@ -203,14 +182,14 @@ class Replicator:
           state = repl.init(lambda key: rp.TrainState.create(
               model.init(key, x)["params"], tx, key), jax.random.key(0))
         """
-        state = sharding.init_sharded(init_fn, self.param_shardings, *args)
+        state = self._planner.init(init_fn, *args)
         self._roles.remember_sharded(state)  # a parameter split like a batch (a rule's choice)
         return state
 
     def sharding_report(self, state: PyTree) -> str:
         """Bytes per device per top-level subtree, the largest parameters left replicated, and
         which rule sharded what."""
-        return sharding.sharding_report(state, self.mesh, self._plan or self.rules)
+        return self._planner.report(state)
 
     def run(
         self,
@@ -293,22 +272,15 @@ class Replicator:
         `compile`). This Replicator is left as it was: the optimizer's state says where the
         groups are.
 
-        Between the sum and ``tx``: ``aggregate`` replaces the sum (``aggregate(grads,
-        cross_replica_sum)``, given each replica's own gradients, e.g. `rp.narrow_sum`);
-        ``clip_norm`` clips the summed gradients by their global norm, exactly as one
-        device would clip the global batch's; ``track_norm`` (implied by ``clip_norm``)
-        keeps that norm in the state (`optim.GradNormState`, read by `rp.grad_norm`).
+        Between the sum and ``tx``: ``aggregate`` replaces the sum (e.g. `rp.narrow_sum`);
+        ``clip_norm`` clips the summed gradients by their global norm, as one device would clip
+        the global batch's; ``track_norm`` (implied by ``clip_norm``) keeps that norm in the
+        state for `rp.grad_norm` (`replicator.step.optim.wrap_optimizer` says more).
         """
         if sync is not None:
             groups.check_sync(sync)
-        return optim.wrap_optimizer(
-            tx,
-            self.axis_name,
-            sync,
-            aggregate=aggregate,
-            clip_norm=clip_norm,
-            track_norm=track_norm,
-        )
+        options = dict(aggregate=aggregate, clip_norm=clip_norm, track_norm=track_norm)
+        return optim.wrap_optimizer(tx, self.axis_name, sync, **options)
 
     def apply_policy(self, model: Any) -> Any:
         """``model`` (a Flax linen or NNX module) under this Replicator's precision policy: with

@@ -51,6 +51,7 @@ from etils import epath
 
 from replicator.errors import StorageError as StorageError
 from replicator.errors import StorageUnavailableError as StorageUnavailableError
+from replicator.runtime import compat
 
 log = logging.getLogger("replicator")
 T = TypeVar("T")
@@ -237,9 +238,7 @@ def _with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
 
 def _is_permanent(error: Exception) -> bool:
     code = getattr(error, "code", None) or getattr(error, "status", None)
-    if isinstance(code, int):
-        return code in (400, 401, 403, 404)
-    return _forbidden(error)
+    return code in (400, 401, 403, 404) if isinstance(code, int) else _forbidden(error)
 
 
 def _forbidden(error: BaseException) -> bool:
@@ -270,11 +269,11 @@ def failure(error: BaseException, what: str, url: str) -> StorageError | None:
     >>> failure(KeyError("a bug"), "save", "gs://b/c") is None
     True
     """  # noqa: E501
-    causes = _causes(error)
-    for e in causes:
+    chain = causes(error)
+    for e in chain:
         if isinstance(e, StorageError):
             return e
-    for e in causes:
+    for e in chain:
         if _is_unanswered(e):
             text = f"cannot {what} {url}: {_no_answer(since=_silent_since)} ({_reason(e)})"
             _unanswered(time.monotonic() - DEADLINE_S)  # past the deadline from now on
@@ -292,7 +291,7 @@ def _no_answer(since: float | None) -> str:
     return f"the storage service did not answer{silence}"
 
 
-def _causes(error: BaseException) -> list[BaseException]:
+def causes(error: BaseException) -> list[BaseException]:
     """``error``, then what it was raised from or during, then the errors of a group."""
     found, todo = [], [error]
     while todo:
@@ -345,12 +344,11 @@ def _gcsfs_class() -> type:
     import gcsfs
     from gcsfs.retry import is_retriable
 
-    base = gcsfs.GCSFileSystem
-    one_try = getattr(base._request, "__wrapped__", None)  # gcsfs's request, without retries
+    one_try = compat.gcsfs_request_without_retries()
     if one_try is None:
-        return base  # another gcsfs: its own retries, then
+        return gcsfs.GCSFileSystem  # another gcsfs: its own retries, then
 
-    class GCSFileSystemWithDeadline(base):
+    class GCSFileSystemWithDeadline(gcsfs.GCSFileSystem):
         def __init__(self, *args, requests_timeout=None, **kwargs):
             if requests_timeout is None:
                 requests_timeout = aiohttp.ClientTimeout(sock_connect=30, sock_read=30)
@@ -389,8 +387,7 @@ def tensorstore_retries(deadline_s: float | None = None) -> dict:
     """
     deadline_s = DEADLINE_S if deadline_s is None else deadline_s
     waited, tries = 0.0, 1
-    while waited + min(2.0 ** (tries - 1), 8.0) + 1.0 <= deadline_s:
-        waited += min(2.0 ** (tries - 1), 8.0) + 1.0
+    while (waited := waited + min(2.0 ** (tries - 1), 8.0) + 1.0) <= deadline_s:
         tries += 1
     return {"max_retries": tries, "initial_delay": "1s", "max_delay": "8s"}
 
@@ -400,26 +397,22 @@ def tensorstore_retries(deadline_s: float | None = None) -> dict:
 
 def exists(p: str | os.PathLike) -> bool:
     """Whether a file or directory exists at ``p`` (bounded for a bucket)."""
-    p = normalize(p)
-    return call("read", p, lambda: path(p).exists())
+    return call("read", normalize(p), lambda: path(p).exists())
 
 
 def isdir(p: str | os.PathLike) -> bool:
     """Whether ``p`` is a directory (a prefix with objects under it, in a bucket)."""
-    p = normalize(p)
-    return call("read", p, lambda: path(p).is_dir())
+    return call("read", normalize(p), lambda: path(p).is_dir())
 
 
 def isfile(p: str | os.PathLike) -> bool:
     """Whether ``p`` is a file (an object, in a bucket)."""
-    p = normalize(p)
-    return call("read", p, lambda: path(p).is_file())
+    return call("read", normalize(p), lambda: path(p).is_file())
 
 
 def read_bytes(p: str | os.PathLike) -> bytes:
     """The contents of file ``p``; FileNotFoundError when there is none."""
-    p = normalize(p)
-    return call("read", p, lambda: path(p).read_bytes())
+    return call("read", normalize(p), lambda: path(p).read_bytes())
 
 
 def read_text(p: str | os.PathLike) -> str:
@@ -451,9 +444,8 @@ def write_text(p: str | os.PathLike, text: str) -> None:
 
 def makedirs(p: str | os.PathLike) -> None:
     """Creates directory ``p`` and its parents (nothing to do in a bucket)."""
-    p = normalize(p)
     if not is_remote(p):
-        os.makedirs(p, exist_ok=True)
+        os.makedirs(normalize(p), exist_ok=True)
 
 
 def listdir(p: str | os.PathLike) -> list[str]:
@@ -461,8 +453,16 @@ def listdir(p: str | os.PathLike) -> list[str]:
     p = normalize(p)
     if not is_remote(p):
         return sorted(os.listdir(p)) if os.path.isdir(p) else []
-    found = call("list", p, lambda: [c.name for c in path(p).iterdir()] if path(p).is_dir() else [])
-    return sorted(found)
+    return sorted(call("list", p, lambda: _names_in(p)))
+
+
+def _names_in(p: str) -> list[str]:
+    if not path(p).is_dir():
+        return []
+    try:
+        return [c.name for c in path(p).iterdir()]
+    except FileNotFoundError:  # its last object went since is_dir (another process's probe)
+        return []
 
 
 def copy_tree(source: str | os.PathLike, destination: str | os.PathLike) -> None:
@@ -584,10 +584,8 @@ class Mirror:
         self.local_path = os.path.join(self._dir, os.path.basename(self.target))
         data = b""
         if keep:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 data = read_bytes(self.target)
-            except FileNotFoundError:
-                pass
         with open(self.local_path, "wb") as f:
             f.write(data)
         self._uploaded = data
@@ -697,4 +695,4 @@ def _close_open_mirrors() -> None:
             log.warning("Could not upload %s at exit: %s", mirror.target, e)
 
 
-threading._register_atexit(_close_open_mirrors)
+compat.at_thread_shutdown(_close_open_mirrors)

@@ -231,6 +231,7 @@ def test_narrow_sum_under_compile_warns_and_changes_nothing():
     assert_equal(got.params, want.params)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_diloco_islands_aggregate_among_their_own_replicas():
     """Under DiLoCo the aggregator sums within each island (4 replicas here)."""
     repl = rp.Replicator(mesh={"data": 2, "fsdp": 4})

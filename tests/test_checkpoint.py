@@ -112,6 +112,7 @@ def assert_same_run(workdir, reference):
     assert losses == [(r["step"], r["loss"]) for r in ref_records if "split" not in r]
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, digits_data_dir, uninterrupted):
     workdir = tmp_path / "killed"
     proc = start_train(workdir, digits_data_dir)
@@ -216,6 +217,7 @@ json.dump(report, open(out + ".json", "w"))
 """
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_restores_bitwise_onto_1_and_3_devices_in_fresh_processes(tmp_path):
     repl = rp.Replicator()  # 8 devices
     state = repl.replicate(make_state())
@@ -584,6 +586,7 @@ def guide_orbax_recipe():
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_guide_orbax_recipe_runs_as_written(tmp_path, digits_data_dir):
     recipe = guide_orbax_recipe()
     assert "replicator" not in recipe and recipe.count("runs/digits_cnn") == 1
@@ -679,7 +682,7 @@ print(json.dumps({"step": step, "items": sorted(items.keys()), "on_disk": sorted
 """
 
 
-@pytest.mark.parametrize("where", ["local", "bucket"])
+@pytest.mark.parametrize("where", ["local", pytest.param("bucket", marks=pytest.mark.slow)])
 def test_every_item_of_a_step_restores_with_orbax_alone(where, tmp_path, request, digits_data_dir):
     """A generic ``CheckpointManager(...).restore(step)`` in a process that never imports
     replicator reads every item the trainer saves (the guide's list of items)."""

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from replicator.trainer.config import describe_keys
+from replicator.trainer.config import describe_keys, experiment_keys
 from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +78,7 @@ def test_help_lists_the_subcommands():
     assert_one_line_error(run_cli("trian"), "unknown command 'trian'", "did you mean 'train'")
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_train_and_eval_help_list_flags_and_every_config_key():
     for command, flags in [
         ("train", ["--config", "--workdir", "--[no]quiet", "--[no]force", "--[no]debug"]),
@@ -95,12 +96,21 @@ def test_train_and_eval_help_list_flags_and_every_config_key():
     assert done.returncode == 0 and all(k in done.stdout for k in ("local", "tpu", "slurm"))
 
 
-def test_help_with_a_config_shows_its_values():
+def test_help_with_a_config_shows_its_values_and_its_experiments_keys():
     done = run_cli("train", *SMOKE, "--config.batch_size=32", "--help")
     assert done.returncode == 0, done.stderr
     assert re.search(r"^  batch_size +\(required\) +32 +global batch", done.stdout, re.M)
     assert re.search(r"^  num_train_steps +\(required\) +4 ", done.stdout, re.M)
-    assert re.search(r"^  model.dense_features +64$", done.stdout, re.M)
+    assert re.search(r"^  model.dense_features +64 +64 +cnn: the dense", done.stdout, re.M)
+    assert "remat_policy" not in done.stdout  # the LM's key, not the classifiers'
+    done = run_cli("train", "--config", "configs/lm_tiny.py:smoke", "--config.model.num_experts=4",
+                   "--config.model.mlp_dim=None", "--config.mesh.stage=2", "--help")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for key, default, meaning in describe_keys(experiment_keys("experiments.lm")):
+        row = rf"^  {re.escape(key)} +{re.escape(default)} +.*{re.escape(meaning)}$"
+        assert re.search(row, done.stdout, re.M), key
+    assert re.search(r"^  model.num_experts +None +4 +experts of a mixture", done.stdout, re.M)
+    assert re.search(r"^  model.mlp_dim +None +None +the MLP", done.stdout, re.M)
 
 
 # ---- One-line errors
@@ -123,6 +133,7 @@ def test_config_mistakes_are_one_line_and_touch_nothing(tmp_path, args, expected
     assert not workdir.exists()
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_missing_config_file_and_flags_are_one_line(tmp_path):
     workdir = str(tmp_path / "run")
     done = run_cli("train", "--config", "configs/nope.py", "--workdir", workdir)
@@ -136,6 +147,7 @@ def test_missing_config_file_and_flags_are_one_line(tmp_path):
     assert_one_line_error(run_cli("eval", "--workdir", workdir), "config.json does not exist")
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_mistakes_in_batch_and_mesh_then_a_corrected_run_succeeds(tmp_path, digits_data_dir):
     common = ["train", *SMOKE, "--workdir", str(tmp_path), f"--config.data_dir={digits_data_dir}"]
     done = run_cli(*common, "--config.batch_size=33", "--config.eval_every_steps=4")
@@ -148,6 +160,7 @@ def test_mistakes_in_batch_and_mesh_then_a_corrected_run_succeeds(tmp_path, digi
     assert "Final test metrics after 4 steps" in done.stdout
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_workdir_of_another_experiment_is_refused_unless_forced(trained):
     workdir, _, data_dir = trained
     common = ["train", *SMOKE, "--workdir", workdir, data_dir, "--config.num_train_steps=6"]
@@ -158,6 +171,7 @@ def test_a_workdir_of_another_experiment_is_refused_unless_forced(trained):
     assert_one_line_error(done, "does not fit", "saved shape (256, 32), expected (256, 64)")
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_key_a_newer_config_file_added_does_not_block_resuming(trained, tmp_path):
     """A run saved before the config file gained a model key resumes without --force
     (the key is at the file's value); overriding that key now is a change, refused."""
@@ -175,6 +189,7 @@ def test_a_key_a_newer_config_file_added_does_not_block_resuming(trained, tmp_pa
     assert "Final test metrics after 6 steps" in done.stdout
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_rerun_without_a_complete_checkpoint_says_it_starts_over(trained, tmp_path):
     """Killed before its first checkpoint was whole: the rerun says it trains from step
     0 and each step is recorded once."""
@@ -229,12 +244,21 @@ def test_a_user_error_raised_in_the_library_is_one_line(tmp_path, digits_data_di
 
 def test_eval_uses_the_runs_saved_config(trained):
     workdir, _, _ = trained  # trained with --config.model.dense_features=32
-    done = run_cli("eval", "--workdir", workdir)
+    main, child = pty.openpty()  # at a terminal: a line for a person, as train's
+    output = []
+    reader = threading.Thread(target=_drain, args=(main, output), daemon=True)
+    reader.start()
+    done = run_cli("eval", "--workdir", workdir, stdout=child)
+    os.close(child)
+    reader.join(timeout=10)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
-    assert result["step"] == 4 and result["num_examples"] == 360
+    line = r"test metrics of step 4: loss [\d.]+, accuracy [\d.]+ \(360 examples\)\r?\n"
+    assert re.fullmatch(line, b"".join(output).decode()), output
     assert f"{workdir}/config.json" in done.stderr
-    done = run_cli("eval", *SMOKE, "--workdir", workdir, "--config.eval_split=train")
+    done = run_cli("eval", "--workdir", workdir)  # to a program: DESIGN's one JSON line
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["step"] == 4
+    done = run_cli("eval", *SMOKE, "--workdir", workdir, "--config.eval_split=train", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["num_examples"] == 1437  # the override, on the run's config
     assert f"{workdir}/config.json with --config.eval_split=train" in done.stderr
@@ -244,6 +268,7 @@ def test_eval_uses_the_runs_saved_config(trained):
 # ---- Corrupt checkpoints
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_garbage_checkpoint_is_skipped_set_aside_and_redone(tmp_path, trained):
     source, _, data_dir = trained
     workdir = tmp_path / "run"
@@ -255,7 +280,7 @@ def test_a_garbage_checkpoint_is_skipped_set_aside_and_redone(tmp_path, trained)
             garbage[path.relative_to(state)] = os.urandom(max(path.stat().st_size, 16))
             path.write_bytes(garbage[path.relative_to(state)])
 
-    done = run_cli("eval", "--workdir", str(workdir))
+    done = run_cli("eval", "--workdir", str(workdir), "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["step"] == 2
     (warning,) = [x for x in lines(done.stderr) if "step 4" in x]
@@ -274,7 +299,7 @@ def test_a_garbage_checkpoint_is_skipped_set_aside_and_redone(tmp_path, trained)
     assert {p: (kept / p).read_bytes() for p in garbage} == garbage  # moved, not deleted
     steps = [r["step"] for r in read_records(workdir) if "split" not in r]
     assert steps == sorted(set(steps))
-    done = run_cli("eval", "--workdir", str(workdir))
+    done = run_cli("eval", "--workdir", str(workdir), "--json")
     assert json.loads(done.stdout)["step"] == 4 and "unreadable" not in done.stderr
 
 
@@ -314,6 +339,7 @@ def test_a_plain_run_shows_only_replicators_lines(trained):
     assert "step 4  test loss" in log
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_eval_is_quiet_and_verbose_shows_the_libraries(tmp_path, trained):
     workdir, _, _ = trained
     for verbose in (False, True):
@@ -328,6 +354,7 @@ def test_eval_is_quiet_and_verbose_shows_the_libraries(tmp_path, trained):
             ]
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_progress_bar_on_a_terminal(tmp_path, digits_data_dir):
     main, child = pty.openpty()
     output = []
@@ -356,6 +383,7 @@ def _drain(fd, output):
         output.append(chunk)
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_more_mistakes_are_one_line(tmp_path, trained):
     workdir = str(tmp_path / "run")
     done = run_cli("train", "--config", "configs/digits_cnn.py:smok", "--workdir", workdir)
@@ -401,9 +429,12 @@ def test_a_refused_command_writes_no_traceback_into_the_runs_log(trained, tmp_pa
     assert sorted(os.listdir(copy / "checkpoints")) == checkpoints
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_eval_follow_prints_one_json_line_per_result(trained):
     workdir, _, data_dir = trained
-    done = run_cli("eval", "--workdir", workdir, data_dir, "--follow", "--follow_timeout=2")
+    done = run_cli(
+        "eval", "--workdir", workdir, data_dir, "--follow", "--follow_timeout=2", "--json"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in lines(done.stdout)]  # nothing but JSON lines
     steps = sorted(int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")))

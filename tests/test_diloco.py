@@ -387,6 +387,7 @@ def final_state(workdir, config):
         run.close()
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_trainer_resumes_exactly_and_evaluates_the_outer_parameters(tmp_path, digits_data_dir):
     from replicator import trainer
 
@@ -429,6 +430,7 @@ def test_bad_diloco_configs_are_named(digits_data_dir, overrides, message):
         setup(config)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_trainer_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
     from replicator import trainer
 

@@ -109,8 +109,11 @@ def eval_line(saved, fitted, num_devices):
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n == "lm_tiny" else n for n in RUNS],
-)  # (lm_tiny: 12 s; the digits configs check the same on every make test)
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("lm_tiny", "digits_cnn_diloco") else n
+        for n in RUNS
+    ],
+)  # (lm_tiny: 12 s; digits_cnn checks the same on every make test)
 def test_eval_on_1_and_3_devices_equals_the_training_runs_eval(name, tmp_path, digits_data_dir):
     config, overrides, saved, fitted = RUNS[name]
     fitted = {1: dict.fromkeys(MESH_AXES, 1), **fitted}
@@ -123,7 +126,7 @@ def test_eval_on_1_and_3_devices_equals_the_training_runs_eval(name, tmp_path, d
     (trained,) = [r for r in read_records(workdir) if r.get("split") == "test"]
     assert trained["step"] == 2
     for num_devices in (1, 3):
-        done = run_cli("eval", "--workdir", workdir, f"--cpu_devices={num_devices}")
+        done = run_cli("eval", "--workdir", workdir, f"--cpu_devices={num_devices}", "--json")
         assert done.returncode == 0, done.stderr[-3000:]
         assert eval_line(saved, fitted[num_devices], num_devices) in lines(done.stderr)
         result = json.loads(done.stdout)

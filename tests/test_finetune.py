@@ -118,6 +118,7 @@ def digits(data_dir, **overrides):
 PROBE = "^(?!Dense_1/)"  # everything but the classifier
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_linear_probe_costs_fewer_flops_per_step(tmp_path, digits_data_dir):
     steps = dict(num_train_steps=2, eval_every_steps=2, checkpoint_every_steps=2)
     summaries = {}
@@ -153,6 +154,7 @@ def test_lr_mults_multiply_the_scheduled_rate_first_match_wins():
         np.testing.assert_array_equal(mult_ups["head"]["bias"], ups["head"]["bias"])
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_lr_mults_in_a_run_move_the_backbone_a_tenth_and_say_what_they_took(digits_data_dir):
     """Under SGD the 0.1x parameters move exactly a tenth of what they move at 1x."""
     moved, said = {}, ""

@@ -121,6 +121,7 @@ def train_two_steps(
     return states, records
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_train_step_8_replicas_equal_1_device_and_compile():
     (_, reference), reference_records = train_two_steps(1, "run")
     for record in reference_records:
@@ -144,6 +145,7 @@ def test_train_step_8_replicas_equal_1_device_and_compile():
             assert record == pytest.approx(expected, rel=1e-5, abs=1e-6), path
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_microbatches_keep_the_model_state_mirrored():
     """k microbatches: the discriminator's first update equals one batch's, its state mirrored.
 

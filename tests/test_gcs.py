@@ -95,6 +95,7 @@ def local_reference(tmp_path_factory, digits_data_dir):
     return workdir
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_run_on_a_bucket_leaves_nothing_local_and_equals_a_local_run(
     tmp_path, bucket, digits_data_dir, local_reference
 ):
@@ -150,7 +151,9 @@ def test_eval_from_a_bucket_on_1_and_3_devices(tmp_path, bucket, digits_data_dir
     trained = [r for r in records(workdir) if r.get("split") == "test"][-1]
     for devices in (1, 3):
         out, _ = finish(
-            replicator_command("eval", "--workdir", workdir, cwd=tmp_path, devices=devices)
+            replicator_command(
+                "eval", "--workdir", workdir, "--json", cwd=tmp_path, devices=devices
+            )
         )
         result = json.loads(out.strip().splitlines()[-1])
         assert result["step"] == 40 and result["num_examples"] == trained["num_examples"]
@@ -172,6 +175,7 @@ def test_a_missing_bucket_is_one_line_and_writes_nothing(tmp_path, gcs_server):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_bucket_one_cannot_write_is_one_line_and_writes_nothing(tmp_path, gcs_server):
     import fsspec
 
@@ -292,6 +296,7 @@ def test_two_processes_share_one_run_on_a_bucket(
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_init_from_a_run_on_a_bucket(tmp_path, bucket, digits_data_dir):
     """Fine-tuning reads the source run from the bucket: with everything frozen, the
     first eval is the source run's."""

@@ -142,6 +142,7 @@ def test_the_summary_counts_device_time_as_compute(tmp_path, digits_data_dir, nu
     assert 0 < summary["mfu"] <= 1, summary
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_flops_per_step_count_the_whole_batch_under_accumulation(tmp_path, digits_data_dir):
     flops = {}
     for accum in (1, 4):

@@ -16,7 +16,7 @@ import pytest
 
 from replicator import storage
 from replicator.runtime import bundle as bundles
-from replicator.runtime import launch, preflight, tpu, worker, worker_env
+from replicator.runtime import launch, launch_args, preflight, tpu, worker, worker_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run"]
@@ -51,7 +51,8 @@ def own_tmp(tmp_path, monkeypatch):
 def test_the_doctests():
     from replicator.runtime import rehearse, shared_paths, slurm
 
-    for module in (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm):
+    modules = (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm, launch_args)
+    for module in modules:
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
@@ -351,6 +352,49 @@ def test_missing_programs_are_one_line_errors(tmp_path, monkeypatch, capsys, own
     assert not list(own_tmp.iterdir())  # no bundle
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["local", "--processes", "0", "--", "python", "-c", "pass"], "--processes 0: give 1"),
+        (["local", "--processes", "2", "--devices-per-process", "0", "--", "sh"],
+         "--devices-per-process 0: give 1"),
+        (["local", "--processes", "2", "--restarts", "-1", "--", "sh"], "--restarts -1: give 0"),
+        (["local", "--processes", "2", "--gcs-dir", "d", "--", "sh"], "go with --gcs"),
+        (["local", "--processes", "2"], "give the command after --"),
+        (["local", "--processes", "two", "--", "sh"], "invalid int value: 'two'"),
+        (["local", "--", "sh"], "the following arguments are required: --processes"),
+        (["local", "--processes", "2", "--gcs", "--", "no-such-program"], "no such program"),
+        (["tpu", "--tpu", "p", "--zone", "z", "--slices", "0", "--", "sh"], "--slices 0: give 1"),
+        (["tpu", "--tpu", "p", "--zone", "z", "--keep-bundles", "0", "--dry-run", "--", "sh"],
+         "--keep-bundles 0: give 1"),
+        (["tpu", "--tpu", "p", "--zone", "z", "--logs", "--", "sh"], "take no command"),
+        (["slurm", "--nodes", "0", "--gpus-per-node", "8", "--dry-run", "--", "sh"],
+         "--nodes 0: give 1"),
+        (["slurm", "--nodes", "1", "--gpus-per-node", "0", "--dry-run", "--", "sh"],
+         "--gpus-per-node 0: give 1"),
+    ],
+)  # fmt: skip
+def test_arguments_that_cannot_launch_are_one_line_before_anything_starts(
+    argv, said, tmp_path, monkeypatch, capsys, own_tmp
+):
+    """Exit status 2 and one line, never a run of nothing (0 processes exited 0) or a
+    script for 0 nodes; nothing started or written (no GCS server, no bundle, no sbatch
+    file, no process: a process would print)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # --gcs' server would go here
+    assert launch.main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: ") and said in line, line
+    assert captured.out == ""
+    assert sorted(os.listdir(tmp_path)) == ["launcher_tmp"] and not list(own_tmp.iterdir())
+
+
+def test_launch_local_of_no_processes_is_refused():
+    with pytest.raises(tpu.LaunchError, match=r"processes \(0\) .* must be 1 or more"):
+        launch.launch_local(["python", "-c", "pass"], processes=0, devices_per_process=1)
+
+
 FAKE_GCLOUD = """#!{python}
 # gcloud for tests: a pod of one worker, this machine, whose home is FAKE_WORKER_HOME.
 import os, shutil, subprocess, sys
@@ -486,7 +530,9 @@ def test_the_probe_on_a_worker_says_what_it_lacks(tmp_path, monkeypatch, capsys,
 
 def launch_error(argv):
     with pytest.raises(tpu.LaunchError) as e:
-        launch._launch_tpu(launch._parser().parse_args(argv), ["python", "job.py"])
+        launch._launch_tpu(
+            launch_args.parse([*argv, "--", "python", "job.py"])[0], ["python", "job.py"]
+        )
     return str(e.value)
 
 
@@ -772,7 +818,7 @@ def test_without_git_the_source_tree_is_walked(monkeypatch):
 def test_launch_local_drops_the_libraries_start_up_notices(capsys):
     import io
 
-    from replicator.runtime import launch
+    from replicator.runtime import local_processes
 
     out = (
         "[Gloo] Rank 0[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
@@ -782,5 +828,5 @@ def test_launch_local_drops_the_libraries_start_up_notices(capsys):
         "experimental recoverable task feature. The default shutdown barrier ...\n"
         "step 3 loss 0.5\n"
     )
-    launch._prefix_lines(io.StringIO(out), "[1] ")
+    local_processes._prefix_lines(io.StringIO(out), "[1] ")
     assert capsys.readouterr().out == "[1] step 3 loss 0.5\n"

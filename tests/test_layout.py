@@ -93,9 +93,10 @@ def _definitions(tree: ast.AST):
 
 
 def test_every_room_is_small():
-    """A module at most 700 lines, a function 80, a class 400, the facade 300."""
+    """A module at most 700 lines, a function 80, a class 400, the facade 300: in the
+    library, the trainer, the runtime and the experiments."""
     too_big = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]):
         source = path.read_text()
         name = path.relative_to(ROOT)
         if source.count("\n") > 700:

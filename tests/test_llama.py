@@ -21,6 +21,7 @@ import replicator as rp
 from experiments.lm import Transformer, make_experiment
 from experiments.lm.layers import GatedFeedForward, apply_rotary, make_norm, rope_frequencies
 from experiments.lm.task import make_model, make_preprocess, summarize
+from replicator.parallel import sharding as sharding
 from replicator.step import remat as remat
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
@@ -226,7 +227,7 @@ def test_llama_keys_that_cannot_work_are_one_line():
     "policy",
     [
         "full",
-        "minimal",
+        pytest.param("minimal", marks=pytest.mark.slow),
         *(pytest.param(p, marks=pytest.mark.slow) for p in remat.REMAT_POLICIES[3:]),
     ],
 )
@@ -250,7 +251,7 @@ def test_every_remat_policy_gives_the_gradients_of_none(policy, params):
 def _settings(repl, model, **parallel):
     return Settings(
         repl=repl, model=model, learning_rate=0.5, optimizer="sgd", num_train_steps=2,
-        grad_accum_steps=1, seed=0, **parallel,
+        grad_accum_steps=1, seed=0, options=parallel,
     )  # fmt: skip
 
 
@@ -298,8 +299,9 @@ def one_device(batches):
         pytest.param("compile", {"context": 2, "data": 4},
                      dict(context_strategy="gather", context_load_balance=True),
                      marks=pytest.mark.slow),
-        ("run", {"context": 2, "fsdp": 4},
-         dict(context_strategy="ring", context_load_balance=True)),
+        pytest.param("run", {"context": 2, "fsdp": 4},
+                     dict(context_strategy="ring", context_load_balance=True),
+                     marks=pytest.mark.slow),
         ("compile", {"stage": 2, "data": 4}, dict(pipeline_microbatches=2)),
         pytest.param("run", {"stage": 2, "data": 4}, {}, marks=pytest.mark.slow),
         pytest.param("compile", {"context": 4, "data": 2},
@@ -315,7 +317,8 @@ def test_the_llama_lm_trains_like_one_device(path, mesh, parallel, batches, one_
     _assert_trains_alike(_train(repl, path, batches, **parallel), one_device)
 
 
-@pytest.mark.parametrize("path", ["compile", pytest.param("run", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-slow: the MoE LM's own tests hold its invariant
+@pytest.mark.parametrize("path", ["compile", "run"])
 def test_swiglu_experts_train_like_one_device(path, batches):
     """Each expert a SwiGLU (``wi_gate``, ``wi``, ``wo``), split over ``expert``."""
     expected = _train(rp.Replicator(devices=jax.devices()[:1]), "compile", batches, MOE)
@@ -330,7 +333,7 @@ def test_key_value_heads_that_do_not_divide_over_tensor_stay_whole():
     repl = rp.Replicator(mesh={"tensor": 4, "data": 2}, min_size=0)
     model = Transformer(**LLAMA)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    with pytest.warns(rp.sharding.ShardingWarning, match="kv_kernel"):
+    with pytest.warns(sharding.ShardingWarning, match="kv_kernel"):
         shardings = nn.meta.unbox(repl.param_shardings(abstract["params"]))
     attention = shardings["blocks"]["attention"]
     assert attention["q_kernel"].spec == jax.sharding.PartitionSpec(None, None, "tensor")

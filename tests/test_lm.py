@@ -22,6 +22,7 @@ from experiments.datasets import text
 from experiments.datasets.base import LocalBuilder
 from experiments.lm import Transformer, count_params, make_experiment, make_preprocess, summarize
 from replicator.parallel import activations as activations
+from replicator.parallel import sharding as sharding
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 from tests.compare import assert_trained_alike
@@ -206,7 +207,7 @@ def test_every_parameter_names_its_logical_axes(tie_embeddings):
     )
 
 
-@pytest.mark.parametrize("tie_embeddings", [True, False])
+@pytest.mark.parametrize("tie_embeddings", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_a_chunked_loss_equals_the_whole_one_without_whole_logits(tie_embeddings):
     """``loss_chunk``: the same nats and gradients as the logits made whole, while the
     compiled step's temporaries drop (the ``[batch, time, vocab]`` float32 logits
@@ -305,6 +306,7 @@ def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, tr
     assert np.mean(losses[-3:]) < losses[0] - 1.5, losses
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batches, trained):
     """The rules table places the model's activations too (MaxText's logical axes), by
     default: on the 2x2x2 cube with the batch over data and fsdp, compile trains like
@@ -315,7 +317,7 @@ def test_activations_named_by_the_model_follow_maxtexts_rules_under_compile(batc
     state = cube.replicate(trained["initial"])
     unplaced = tuple((name, None) for name, _ in activations.ACTIVATION_RULES)
     plain = rp.Replicator(  # activations left to the compiler
-        mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=(*rp.sharding.DEFAULT_RULES, *unplaced)
+        mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules=(*sharding.DEFAULT_RULES, *unplaced)
     )
     constraints = [
         repl.compile(make_experiment(settings(repl)).train_step)

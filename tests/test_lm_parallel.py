@@ -23,7 +23,7 @@ MOE = dict(TINY, num_experts=8, experts_per_token=2, expert_capacity_factor=1.0,
 def _settings(repl, model=TINY, **parallel):
     return Settings(
         repl=repl, model=model, learning_rate=3e-3, optimizer="adam", num_train_steps=3,
-        grad_accum_steps=1, seed=0, **parallel,
+        grad_accum_steps=1, seed=0, options=parallel,
     )  # fmt: skip
 
 
@@ -71,7 +71,7 @@ def one_device(batches):
     "path, mesh, strategy, balanced",
     [
         ("compile", {"context": 2, "data": 4}, "ring", True),
-        ("run", {"context": 4, "data": 2}, "gather", True),
+        pytest.param("run", {"context": 4, "data": 2}, "gather", True, marks=pytest.mark.slow),
         pytest.param("compile", {"context": 2, "data": 4}, "gather", False, marks=pytest.mark.slow),
         pytest.param("compile", {"context": 4, "data": 2}, "gather", True, marks=pytest.mark.slow),
         pytest.param("compile", {"context": 4, "data": 2}, "ring", False, marks=pytest.mark.slow),
@@ -112,11 +112,10 @@ def test_a_bad_context_strategy_is_one_config_error():
 
     _, config = load_config("lm_tiny", "smoke")
     config.context_strategy = "spiral"
-    with pytest.raises(ConfigError, match="'context_strategy'='spiral'") as error:
-        validate(config)
-    assert str(error.value).splitlines()[1:] == [
-        "  - 'context_strategy'='spiral' is not 'gather' or 'ring'"
-    ]  # one problem, one line
+    with pytest.raises(ConfigError, match="context_strategy='spiral'") as error:
+        validate(config)  # (the LM's key, checked by its Transformer: experiments.lm.config)
+    (problem,) = str(error.value).splitlines()[1:]  # one problem, one line
+    assert "use one of ('gather', 'ring')" in problem
 
 
 def test_context_on_the_run_path_says_when_it_saves_no_memory(tmp_path, caplog):
@@ -142,15 +141,6 @@ def test_context_on_the_run_path_says_when_it_saves_no_memory(tmp_path, caplog):
     assert said["compile", 4] == [] and said["run", 0] == []
 
 
-def test_the_classifiers_refuse_a_context_axis():
-    from experiments.classify.task import make_experiment as classify
-
-    repl = rp.Replicator(mesh={"context": 2, "data": 4})
-    with pytest.raises(ConfigError, match="mesh axis 'context'") as error:
-        classify(_settings(repl, model={}))
-    assert "\n" not in str(error.value)
-
-
 # ------------------------------------------------------------------ experts
 
 
@@ -162,8 +152,8 @@ def one_device_moe(batches):
 @pytest.mark.parametrize(
     "path, mesh",
     [
-        ("compile", {"expert": 4, "data": 2}),
-        ("run", {"expert": 2, "data": 4}),
+        pytest.param("compile", {"expert": 4, "data": 2}, marks=pytest.mark.slow),
+        pytest.param("run", {"expert": 2, "data": 4}, marks=pytest.mark.slow),
         pytest.param("compile", {"expert": 2, "data": 4}, marks=pytest.mark.slow),
         pytest.param("compile", {"expert": 8}, marks=pytest.mark.slow),
         pytest.param("run", {"expert": 4, "data": 2}, marks=pytest.mark.slow),
@@ -209,6 +199,7 @@ for batch in batches:
 """
 
 
+@pytest.mark.slow  # a subprocess: the XLA:CPU scheduler crash repro
 def test_an_moe_step_reducing_its_sums_over_data_runs_on_cpu():
     """A step with collectives over two axes (the experts' over ``expert``, the sums'
     over ``data``) under `run`: XLA:CPU's memory-optimized scheduler, once a CPU
@@ -247,6 +238,7 @@ def test_moe_keys_that_cannot_work_are_one_line():
     for kwargs, message in [
         (dict(moe_every=3), "num_layers=4 must divide by it"),
         (dict(experts_per_token=9), r"experts_per_token=9 must be in \[1, num_experts=8\]"),
+        (dict(expert_routing="switch"), "expert_routing='switch' sends each token to one expert"),
     ]:
         with pytest.raises(ConfigError, match=message) as error:
             make_model({**MOE, **kwargs})

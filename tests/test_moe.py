@@ -2,10 +2,14 @@
 
 The invariants: the layer equals an independent reference (every expert applied
 to every token, the over-capacity pairs found by a plain loop in position order)
-on one device; split over 2, 4 and 8 ``expert`` devices beside ``data`` it equals
-one device (outputs, auxiliary losses, gradients), in the global view and inside a
-``shard_map`` already manual over ``expert``; its program sends tokens with
-all-to-alls and never gathers an expert's weights.
+on one device, under each routing convention (Switch, GShard, Mixtral); split over
+2, 4 and 8 ``expert`` devices beside ``data`` it equals one device (outputs,
+auxiliary losses, gradients), in the global view and inside a ``shard_map``
+already manual over ``expert``; its program sends tokens with all-to-alls and
+never gathers an expert's weights. The conventions themselves against hand
+computations: Switch's top-1 router learns from the main loss, GShard's first
+choices take capacity before second choices and its balancing loss counts first
+choices only.
 """
 
 import doctest
@@ -19,6 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import replicator as rp
+from replicator.attention.context import context_positions
 from replicator.compiled import hlo as hlo
 from replicator.parallel import moe as moe
 
@@ -38,49 +43,58 @@ def _inputs(batch=16, gated=False):
     return dict(params), x
 
 
-def _layer(params, x, capacity_factor, **kw):
+def _layer(params, x, capacity_factor, k=K, **kw):
     return moe.moe_layer(
-        params, x, num_experts=E, experts_per_token=K, capacity_factor=capacity_factor, **kw
+        params, x, num_experts=E, experts_per_token=k, capacity_factor=capacity_factor, **kw
     )
 
 
-def _loss(capacity_factor):
+def _loss(capacity_factor, **kw):
     def loss(params, x):
-        y, aux = _layer(params, x, capacity_factor)
+        y, aux = _layer(params, x, capacity_factor, **kw)
         total = jnp.mean(y**2) + 1e-2 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
         return total, (y, aux)
 
     return loss
 
 
-def _kept(logits, capacity):
-    """Which token-choice pairs an expert takes: a loop over each sequence's positions."""
-    experts = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[..., :K]
+def _kept(logits, capacity, k=K, by_rank=False):
+    """Which token-choice pairs an expert takes: a loop over each sequence's positions,
+    a token's ``k`` choices together, or (``by_rank``) all first choices, then all second."""
+    experts = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[..., :k]
     kept = np.ones(experts.shape, bool)
     if capacity is not None:
-        for b in range(experts.shape[0]):
+        B, S_ = experts.shape[:2]
+        queue = [(s, j) for s in range(S_) for j in range(k)]
+        if by_rank:
+            queue = [(s, j) for j in range(k) for s in range(S_)]
+        for b in range(B):
             load = np.zeros(E, int)
-            for s in range(experts.shape[1]):
-                for j in range(K):
-                    load[experts[b, s, j]] += 1
-                    kept[b, s, j] = load[experts[b, s, j]] <= capacity
+            for s, j in queue:
+                load[experts[b, s, j]] += 1
+                kept[b, s, j] = load[experts[b, s, j]] <= capacity
     return experts, kept
 
 
-def _reference(params, x, capacity_factor):
-    """Every expert on every token, the pairs over capacity masked out."""
+def _reference(params, x, capacity_factor, routing="mixtral", k=K):
+    """Every expert on every token, the pairs over capacity masked out; ``routing``:
+    Switch's raw gate, or the gates renormalised (GShard's queue by rank and balancing
+    loss over first choices, or Mixtral's queue by token and loss over every pair)."""
     logits = np.einsum("bsd,de->bse", x, params["router"])
     capacity = None
     if capacity_factor is not None:
-        capacity = moe.expert_capacity(S, E, K, capacity_factor)
-    experts, kept = _kept(logits, capacity)
-    fraction = np.bincount(experts.reshape(-1), minlength=E) / experts.size
+        capacity = moe.expert_capacity(S, E, k, capacity_factor)
+    experts, kept = _kept(logits, capacity, k, by_rank=routing == "gshard")
+    counted = experts[..., :1] if routing == "gshard" else experts
+    fraction = np.bincount(counted.reshape(-1), minlength=E) / counted.size
 
     def loss(params, x):
         logits = jnp.einsum("bsd,de->bse", x, params["router"])
         probs = jax.nn.softmax(logits)
         gates = jnp.take_along_axis(probs, experts, axis=-1)
-        gates = gates / jnp.sum(gates, -1, keepdims=True) * kept
+        if routing != "switch":
+            gates = gates / jnp.sum(gates, -1, keepdims=True)
+        gates = gates * kept
         hidden = jnp.einsum("bsd,edf->ebsf", x, params["wi"])
         if "wi_gate" in params:
             hidden = jax.nn.gelu(jnp.einsum("bsd,edf->ebsf", x, params["wi_gate"])) * hidden
@@ -116,12 +130,82 @@ def _mesh(experts):
 
 
 @pytest.mark.parametrize(
-    "capacity_factor, gated", [(None, False), (None, True), (0.5, False), (1.0, True), (E, False)]
+    "routing, k, capacity_factor, gated",
+    [
+        ("mixtral", K, None, False),
+        ("mixtral", K, None, True),
+        ("mixtral", K, 0.5, False),
+        ("mixtral", K, 1.0, True),
+        ("mixtral", K, E, False),
+        ("gshard", K, 0.5, False),
+        ("gshard", 3, 1.0, True),
+        ("switch", 1, 1.0, True),
+        ("switch", 1, None, False),
+    ],
 )
-def test_the_layer_is_the_reference_on_one_device(capacity_factor, gated):
+def test_the_layer_is_the_reference_on_one_device(routing, k, capacity_factor, gated):
     params, x = _inputs(batch=3, gated=gated)
-    grad = jax.value_and_grad(_loss(capacity_factor), argnums=(0, 1), has_aux=True)
-    _close(jax.jit(grad)(params, x), _reference(params, x, capacity_factor))
+    loss = _loss(capacity_factor, k=k, routing=routing)
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    _close(jax.jit(grad)(params, x), _reference(params, x, capacity_factor, routing, k))
+
+
+def test_top_1_routing_trains_the_router_through_the_main_loss():
+    """Switch's gate is the router's probability (the default for ``k = 1``), so the
+    main loss alone reaches the router; renormalised, a lone gate is always 1 and the
+    router learns only from the auxiliary losses."""
+    params, x = _inputs(batch=3)
+
+    def main_loss_grads(**kw):
+        main = lambda p: jnp.mean(_layer(p, x, 1.0, k=1, **kw)[0] ** 2)  # noqa: E731
+        return jax.jit(jax.grad(main))(params)
+
+    switch, renormalised = main_loss_grads(), main_loss_grads(routing="mixtral")
+    scale = np.abs(switch["wo"]).max()  # what the main loss gives the experts
+    assert np.abs(switch["router"]).max() > 1e-2 * scale, (switch["router"], scale)
+    assert np.abs(renormalised["router"]).max() < 1e-5 * scale
+
+
+def _two_experts_two_choices():
+    """4 tokens, each choosing both of 2 experts: first choices 0, 1, 0, 1."""
+    return jnp.log(jnp.array([[[0.7, 0.3], [0.4, 0.6], [0.8, 0.2], [0.1, 0.9]]]))
+
+
+def test_gshard_queues_every_first_choice_before_any_second():
+    """Capacity 2 for 8 token-choice pairs. GShard: the 4 first choices take every
+    slot, every second choice drops. Mixtral (a token's choices together): expert 0
+    fills with token 0's first and token 1's second choice, so token 2's first drops."""
+    logits, C = _two_experts_two_choices(), 2
+    slots = {}
+    for routing in ("gshard", "mixtral"):
+        route = functools.partial(moe.route, experts_per_token=2, capacity=C, routing=routing)
+        slots[routing] = jax.jit(route)(logits).slots[0].tolist()
+    dropped = 2 * C  # the out-of-range slot; expert e's slots are e * C + position
+    assert slots["gshard"] == [[0, dropped], [2, dropped], [1, dropped], [3, dropped]]
+    assert slots["mixtral"] == [[0, 2], [3, 1], [dropped, dropped], [dropped, dropped]]
+
+
+def test_the_balancing_loss_counts_what_each_convention_says():
+    """By hand, 2 tokens over 3 experts with probabilities (0.5, 0.3, 0.2) and (0.1,
+    0.6, 0.3): mean probabilities P = (0.3, 0.45, 0.25). GShard counts first choices,
+    f = (1/2, 1/2, 0): 3 * (0.15 + 0.225) = 1.125, which is its paper's
+    l_aux = 1/E sum_e (c_e / S) m_e = 0.125 times E ** 2. Mixtral counts all 4 pairs,
+    f = (1/4, 2/4, 1/4): 3 * (0.075 + 0.225 + 0.0625) = 1.0875. Switch (k = 1): the
+    gate is the top probability; GShard's two gates are renormalised to sum to 1."""
+    logits = jnp.log(jnp.array([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]]))
+
+    def routed(k, routing):
+        route = functools.partial(moe.route, experts_per_token=k, capacity=None, routing=routing)
+        return jax.jit(route)(logits)
+
+    gshard, mixtral, switch = routed(2, "gshard"), routed(2, "mixtral"), routed(1, "switch")
+    l_aux = 1 / 3 * (1 / 2 * 0.3 + 1 / 2 * 0.45 + 0 * 0.25)
+    assert float(gshard.aux.load_balance_loss) == pytest.approx(3**2 * l_aux, rel=1e-6)
+    assert float(gshard.aux.load_balance_loss) == pytest.approx(1.125, rel=1e-6)
+    assert float(mixtral.aux.load_balance_loss) == pytest.approx(1.0875, rel=1e-6)
+    gates = [[0.5 / 0.8, 0.3 / 0.8], [0.6 / 0.9, 0.3 / 0.9]]
+    np.testing.assert_allclose(gshard.gates[0], gates, rtol=1e-6)
+    np.testing.assert_allclose(switch.gates[0], [[0.5], [0.6]], rtol=1e-6)
 
 
 def test_a_capacity_factor_of_num_experts_drops_nothing():
@@ -152,7 +236,7 @@ def test_tokens_stored_out_of_order_drop_what_they_drop_in_order():
     `context_parallel.load_balance` leaves them): the layer on the permuted sequence is
     the layer on the sequence in order, permuted, the same pairs dropped."""
     params, x = _inputs()
-    order = rp.context_parallel.context_positions(S, 2, load_balanced=True)
+    order = context_positions(S, 2, load_balanced=True)
     stored = x[:, order]  # position order[i] stored at i
     y, aux = jax.jit(lambda p, x: _layer(p, x, 0.5))(params, x)
     y_stored, aux_stored = jax.jit(lambda p, x: _layer(p, x, 0.5, token_order=order))(
@@ -170,18 +254,21 @@ def test_tokens_stored_out_of_order_drop_what_they_drop_in_order():
 
 
 @pytest.mark.parametrize(
-    "experts, batch, capacity_factor",
+    "experts, batch, capacity_factor, routing, k",
     [
-        (2, 16, 1.0),
-        (4, 16, 1.0),
-        (8, 16, 0.5),
-        pytest.param(4, 6, 1.0, marks=pytest.mark.slow),  # the batch not split over expert
-        pytest.param(8, 16, float(E), marks=pytest.mark.slow),
+        (2, 16, 1.0, None, K),
+        (4, 16, 1.0, None, K),
+        (8, 16, 0.5, None, K),
+        (4, 16, 0.5, "gshard", K),
+        (8, 16, 1.0, None, 1),  # Switch's
+        pytest.param(4, 6, 1.0, None, K, marks=pytest.mark.slow),  # batch not split over expert
+        pytest.param(8, 16, float(E), None, K, marks=pytest.mark.slow),
     ],
 )
-def test_experts_split_over_the_mesh_equal_one_device(experts, batch, capacity_factor):
+def test_experts_split_over_the_mesh_equal_one_device(experts, batch, capacity_factor, routing, k):
     params, x = _inputs(batch)
-    grad = jax.value_and_grad(_loss(capacity_factor), argnums=(0, 1), has_aux=True)
+    loss = _loss(capacity_factor, k=k, routing=routing)
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     expected = jax.jit(grad)(params, x)
     mesh = _mesh(experts)
     with jax.set_mesh(mesh):
@@ -275,6 +362,9 @@ def test_the_module_places_experts_by_the_rules_and_equals_one_device():
         (1, dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
         (1, dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
         (4, dict(capacity_factor=None), "dropless routing"),
+        (1, dict(routing="top2"), r"routing='top2': use one of \('switch', 'gshard', 'mixtral'\)"),
+        (1, dict(routing="switch"), "'switch' sends each token to one expert, not experts_per"),
+        (1, dict(routing="gshard", experts_per_token=1), "'gshard' is top-2 routing"),
     ],
 )
 def test_a_layer_that_cannot_run_is_one_line(experts, kwargs, message):

@@ -234,6 +234,7 @@ for size in (5, 6):
 """
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_replicate_and_process_rows_across_processes():
     """2 processes x 2 devices: typed keys placed mirrored, each process's rows."""
     done = run(
@@ -265,6 +266,7 @@ def test_replicate_and_process_rows_across_processes():
 CUSTOM_LOOP = ["python", "tests/programs/custom_loop.py"]
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_custom_loop_on_two_processes_equals_one(tmp_path):
     """The user's own script under `launch local` (2 x 4) equals it on 1 x 8.
 
@@ -380,6 +382,7 @@ def test_initialize_after_jax_started_says_to_call_it_first(monkeypatch):
         build_mesh()
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_diloco_islands_on_two_processes_train_like_one(tmp_path, digits_data_dir):
     """configs/digits_cnn_diloco.py (4 islands x 2 replicas): 2 processes x 4 devices
     (the islands spanning both) equal 1 x 8, syncs and all."""
@@ -430,6 +433,7 @@ def islands_saved(out):
     }
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_elastic_islands_survive_a_killed_island_exactly(tmp_path):
     """Island 2 is SIGKILLed after step 7 (between the syncs of steps 6 and 9): the two
     survivors finish, bitwise equal to one process that drops island 2 from then on."""

@@ -84,7 +84,7 @@ def params_and_stats(model):
     return nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
 
 
-@pytest.mark.parametrize("path", ["run", "compile"])
+@pytest.mark.parametrize("path", [pytest.param("run", marks=pytest.mark.slow), "compile"])
 def test_tutorial_on_8_replicas_equals_one_device(path):
     data = batches(20)
     model0, optimizer0, metrics0, _ = train_original(data)
@@ -327,6 +327,7 @@ def test_dropout_under_compile_equals_nnx_jit_on_one_device():
     assert int(ours.dropout.count.get_value()) == int(rngs.dropout.count.get_value()) == 2
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_batch_norm_statistics_keep_their_shape_alternating_run_and_compile():
     class Norm(nnx.Module):
         def __init__(self, axis_name):
@@ -355,6 +356,7 @@ def guide_example() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_the_guides_nnx_example_runs_as_printed():
     data = batches(3, size=16)
     namespace = {

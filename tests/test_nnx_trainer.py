@@ -114,6 +114,7 @@ def trained(request, tmp_path_factory, digits_data_dir):
     return config, workdir, result
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_smoke_config_trains_with_its_state_in_the_train_state(trained):
     config, workdir, result = trained
     assert result["step"] == config.num_train_steps and result["num_examples"] == 360
@@ -200,7 +201,7 @@ def test_policy_on_an_nnx_module_computes_in_bf16_from_fp32_params():
     )
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_experiment_under_a_policy_runs_convolutions_and_matmuls_in_low_precision(precision):
     repl = rp.Replicator(precision=precision)
     experiment = make_experiment(make_settings(repl))

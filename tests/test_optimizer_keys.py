@@ -162,6 +162,7 @@ def ema_run(tmp_path_factory, digits_data_dir):
     return workdir
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_ema_metrics_and_ema_survive_kill_and_resume_bitwise(tmp_path, digits_data_dir, ema_run):
     evals = [r for r in read_records(ema_run) if r.get("split") == "test"]
     assert [r["step"] for r in evals] == [60, 120]
@@ -185,7 +186,7 @@ def test_ema_metrics_and_ema_survive_kill_and_resume_bitwise(tmp_path, digits_da
 
 
 def test_eval_ema_evaluates_only_the_average(ema_run):
-    done = run_cli("eval", "--workdir", str(ema_run), "--ema")
+    done = run_cli("eval", "--workdir", str(ema_run), "--ema", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     last = [r for r in read_records(ema_run) if r.get("split") == "test"][-1]
@@ -193,6 +194,7 @@ def test_eval_ema_evaluates_only_the_average(ema_run):
     assert result["num_examples"] == 360
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_init_from_with_freeze_reproduces_the_source_eval(tmp_path, digits_data_dir, ema_run):
     done = train_cli(
         tmp_path / "tuned", digits_data_dir,
@@ -253,6 +255,7 @@ def test_bad_optimizer_keys_are_one_line_and_write_nothing(
     assert not workdir.exists()
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_bad_init_from_sources_are_one_line_and_write_nothing(
     tmp_path, digits_data_dir, ema_run, corrupt_run
 ):
@@ -278,7 +281,7 @@ def test_bad_init_from_sources_are_one_line_and_write_nothing(
 @pytest.mark.parametrize(
     "name, steps, metric, tolerance",
     [
-        ("digits_cnn", 60, "accuracy", 0.03),
+        pytest.param("digits_cnn", 60, "accuracy", 0.03, marks=pytest.mark.slow),
         pytest.param("lm_tiny", 20, "loss", 0.02, marks=pytest.mark.slow),  # 11 s
     ],
 )
@@ -335,10 +338,12 @@ EVERYTHING = dict(
     "name, step_path, mesh, freeze",
     [
         ("digits_cnn", "compile", {"data": 2, "fsdp": 4}, "Dense_1"),
-        ("digits_nnx_cnn", "run", {"data": 2, "fsdp": 4}, "conv1"),
-        ("lm_tiny", "run", {"data": 4, "fsdp": 2}, "ln_final"),
-        ("gan_digits", "compile", {"data": 8}, "Dense_0"),
-    ],
+        pytest.param(
+            "digits_nnx_cnn", "run", {"data": 2, "fsdp": 4}, "conv1", marks=pytest.mark.slow
+        ),
+        pytest.param("lm_tiny", "run", {"data": 4, "fsdp": 2}, "ln_final", marks=pytest.mark.slow),
+        pytest.param("gan_digits", "compile", {"data": 8}, "Dense_0", marks=pytest.mark.slow),
+    ],  # (digits_cnn on every make test)
 )
 def test_every_experiment_takes_the_optimizer_keys_on_both_paths(
     tmp_path, digits_data_dir, name, step_path, mesh, freeze
@@ -370,6 +375,7 @@ def test_every_experiment_takes_the_optimizer_keys_on_both_paths(
     assert train_params(run.abstract_state)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_resumed_fine_tune_needs_no_source(tmp_path, digits_data_dir, ema_run):
     """A fine-tune resumes from its own checkpoints: its source may be gone by then
     (pruned, moved); init_from is read only by a run that starts afresh."""
@@ -386,6 +392,7 @@ def test_a_resumed_fine_tune_needs_no_source(tmp_path, digits_data_dir, ema_run)
     assert "Resumed from step 2" in done.stderr
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_key_a_config_sets_can_be_set_back_to_none(tmp_path, digits_data_dir):
     config = tmp_path / "with_ema.py"
     config.write_text(

@@ -138,6 +138,7 @@ def digits_runs(tmp_path_factory, digits_data_dir):
     return root, results
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_a_data_function_of_the_digits_trains_like_the_tfds_digits(digits_runs):
     root, results = digits_runs
     assert results["function"]["num_examples"] == 360
@@ -145,6 +146,7 @@ def test_a_data_function_of_the_digits_trains_like_the_tfds_digits(digits_runs):
     assert train_records(root / "function") == train_records(root / "tfds")
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_resuming_a_run_on_a_data_function_equals_never_stopping(digits_runs):
     root, results = digits_runs
     assert results["resumed"] == results["function"]
@@ -213,6 +215,7 @@ def test_the_command_line_says_each_data_mistake_in_one_line(tmp_path, outside, 
 # ---- Code beside a config file, outside the repository
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_the_regression_example_trains_from_the_repository_root(tmp_path):
     workdir = str(tmp_path / "run")
     done = run_cli("train", "--config", "examples/regression/config.py:smoke", "--workdir", workdir)
@@ -231,7 +234,9 @@ def test_the_regression_example_trains_from_the_repository_root(tmp_path):
         "config.experiment='regression' cannot be imported",
         "pass the run's config file with --config FILE",
     )
-    done = run_cli("eval", "--workdir", workdir, "--config", "examples/regression/config.py")
+    done = run_cli(
+        "eval", "--workdir", workdir, "--config", "examples/regression/config.py", "--json"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f'"loss": {evals[1]}' in done.stdout
 
@@ -239,6 +244,7 @@ def test_the_regression_example_trains_from_the_repository_root(tmp_path):
 # ---- array_record files
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_array_record_files_train_exactly_like_the_function_that_wrote_them(
     tmp_path, outside, example_importable
 ):
@@ -322,6 +328,7 @@ def test_array_record_files_in_a_bucket_are_read_through_one_copy_per_machine(bu
 # ---- A tfds builder of one's own
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_builder_beside_the_config_is_built_where_it_is_with_no_flag(tmp_path, outside):
     data_dir, workdir = tmp_path / "tfds", tmp_path / "run"
     done = run_cli(

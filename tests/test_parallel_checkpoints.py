@@ -158,6 +158,7 @@ def test_an_moe_lm_over_context_and_experts_trains_like_one_device(
     _assert_trains_alike(got, one_device_moe)
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_load_balanced_moe_lm_with_a_capacity_drops_what_one_device_drops(
     batches, one_device_moe
 ):

@@ -124,6 +124,7 @@ def make_eval_step(model: nn.Module):
     return eval_step
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_resnet_cross_replica_batchnorm_8_replicas_equal_1_device_and_compile():
     repl = rp.Replicator()
     params, batch_stats = init_resnet()
@@ -412,7 +413,9 @@ def make_gan_step(gen, disc, g_tx, d_tx):
     return gan_step
 
 
-@pytest.mark.parametrize("mesh", [None, {"data": 4, "fsdp": 2, "tensor": 1}])
+@pytest.mark.parametrize(
+    "mesh", [None, pytest.param({"data": 4, "fsdp": 2, "tensor": 1}, marks=pytest.mark.slow)]
+)
 def test_gan_two_optimizers_in_one_step_8_replicas_equal_1_device(mesh):
     repl = rp.Replicator(mesh=mesh)
     gen, disc = Generator(), Discriminator()

@@ -155,6 +155,7 @@ def test_capture_every_process_of_a_running_job_on_demand(tmp_path, digits_data_
         assert_a_training_trace(trace.read_bytes())
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_profile_steps_on_a_bucket_land_in_the_bucket(tmp_path, bucket, digits_data_dir):
     """jaxlib's own gs:// writer cannot reach a bucket but Google's: the trace is taken
     into a temporary directory and uploaded through the storage layer, leaving nothing."""
@@ -190,6 +191,7 @@ def test_profile_steps_on_a_bucket_land_in_the_bucket(tmp_path, bucket, digits_d
     assert [p for p in os.listdir(temp) if p.startswith("replicator-profile-")] == []
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_the_profiler_server_runs_while_training_and_stops_after(tmp_path, digits_data_dir):
     port = gcs.free_port()
     seen, done = [], threading.Event()

@@ -145,7 +145,8 @@ def test_the_pods_page_rehearsal(tmp_path, capsys, monkeypatch):
     assert "launch: buckets gs://rehearsal; the workdir: gs://rehearsal/digits" in done.stderr
     assert "[0] Final test metrics after 20 steps" in done.stdout
     done = run_launch(
-        ["--processes", "1", "--gcs", *store, "--", "eval", "--workdir", "gs://rehearsal/digits"],
+        ["--processes", "1", "--gcs", *store, "--", "eval", "--workdir", "gs://rehearsal/digits"]
+        + ["--json"],
         ROOT,
         capsys,
         monkeypatch,

@@ -124,7 +124,12 @@ def test_left_pad_and_options_check():
 
 @pytest.mark.parametrize(
     "kwargs,scan",
-    [(GPT2, True), (GPT2, False), (LLAMA, True), (LLAMA, False)],
+    [
+        pytest.param(GPT2, True, marks=pytest.mark.slow),
+        pytest.param(GPT2, False, marks=pytest.mark.slow),
+        (LLAMA, True),
+        pytest.param(LLAMA, False, marks=pytest.mark.slow),
+    ],
     ids=["gpt2-scan", "gpt2-unrolled", "llama-scan", "llama-unrolled"],
 )
 def test_greedy_is_the_full_forward_argmax_at_every_position(kwargs, scan):
@@ -135,6 +140,7 @@ def test_greedy_is_the_full_forward_argmax_at_every_position(kwargs, scan):
     _assert_greedy_is_full_argmax(model, params, samples)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_the_cached_forward_equals_the_full_forward():
     model, params = _model(LLAMA)
     apply = jax.jit(model.apply)
@@ -163,6 +169,7 @@ def test_one_compile_of_prefill_and_of_decode_however_many_tokens():
     assert [s.ids for s in first] != [s.ids for s in again]
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_a_seed_fixes_the_samples_and_a_sample_ignores_the_rest_of_the_batch():
     model, params = _model(LLAMA)
     sampler = Sampler(model)
@@ -177,6 +184,7 @@ def test_a_seed_fixes_the_samples_and_a_sample_ignores_the_rest_of_the_batch():
     assert [s.ids for s in alone] == [s.ids for s in batch[:2]]
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 def test_stop_tokens_end_a_sample():
     model, params = _model(GPT2)
     greedy = generate(model, params, PROMPTS, max_new_tokens=6, temperature=0)
@@ -226,6 +234,7 @@ def test_sharded_over_data_fsdp_tensor_samples_as_one_device():
     assert cache_bytes_per_device(model, repl, 4, 16, jnp.float32) == whole // 8
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_bf16_policy_caches_in_bf16():
     model, params = _model(GPT2)
     repl = rp.Replicator(devices=jax.devices()[:1], precision="bf16")
@@ -395,7 +404,11 @@ def test_sample_with_init_from_hf_and_no_checkpoint_samples_the_import(tmp_path)
 
 @pytest.mark.parametrize(
     "module",
-    ["experiments.lm.sample", "experiments.lm.kv_cache", "replicator.trainer.sample_command"],
+    [
+        pytest.param("experiments.lm.sample", marks=pytest.mark.slow),
+        "experiments.lm.kv_cache",
+        "replicator.trainer.sample_command",
+    ],
 )
 def test_docstring_examples_run(module):
     import doctest

@@ -1,6 +1,6 @@
-"""Where the parts meet: a retried upload, a save's unexpected answer, two runs on one
-workdir, config mistakes found before the workdir is touched, a missing workdir, a
-killed worker (issue 48)."""
+"""Where the parts meet: a retried upload, a save's unexpected answer, a worker's log in a
+bucket, two runs on one workdir, config mistakes found before the workdir is touched, a
+missing workdir, a killed worker (issue 48)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,100 @@ def test_a_lost_upload_session_during_a_save_is_an_outage_not_a_bug():
     assert "\n" not in str(error) and "checkpoint 300" in str(error)
     # A missing file is still the caller's to judge.
     assert storage.failure(FileNotFoundError("gs://b/run/x"), "read", "gs://b/run") is None
+
+
+# An upload of the commit marker (gcsfs), of the checkpoint's metadata (gcsfs, resumable)
+# and of an array's data (tensorstore), answered with what no client expects there.
+UNEXPECTED = [
+    (400, r"state/commit_success\.txt"),
+    (410, r"state/commit_success\.txt"),
+    (412, r"_CHECKPOINT_METADATA"),
+    (400, r"ocdbt\.process_0(/|%2F)d(/|%2F)"),
+]
+
+
+@pytest.mark.parametrize("status, pattern", UNEXPECTED, ids=lambda x: str(x)[:12])
+def test_an_unexpected_answer_during_a_save_is_one_line_not_a_traceback(status, pattern):
+    import fsspec
+    import jax.numpy as jnp
+
+    import replicator as rp
+    from tests import gcs
+
+    with gcs.answering(status, pattern) as (_, hits):
+        fsspec.filesystem("gcs").mkdir("seams-save")
+        checkpoints = rp.Checkpoints("gs://seams-save/run/checkpoints", rp.Replicator())
+        state = {"w": jnp.ones((4, 4)), "b": jnp.arange(3.0)}
+        with pytest.raises(StorageUnavailableError) as raised:
+            checkpoints.save(1, state, config={"seed": 0})
+            checkpoints.wait()  # (the arrays and the commit are written in the background)
+        assert hits, "the server never gave the answer: the test tests nothing"
+        message = str(raised.value)
+        assert "\n" not in message and len(message) < 500
+        assert message.startswith("cannot save ") and "gs://seams-save/run/checkpoints" in message
+        assert checkpoints.all_steps() == []  # not committed: a rerun resumes from before
+
+
+# ---------------------------------------------------------------- a worker's log in a bucket
+
+
+def _vanishing_after_is_dir(monkeypatch, workdir: str, probe: str) -> None:
+    """Between listdir's look at ``workdir`` and its listing, ``probe`` (its only object)
+    goes, as another process's write check removes its probe: the race behind the
+    rehearsal's "Cannot write a log in gs://rehearsal/digits: b/rehearsal/o/digits"."""
+    real = storage.path
+
+    class Racing:
+        def __init__(self, p):
+            self.real = real(p)
+
+        def is_dir(self):
+            answer = self.real.is_dir()
+            real(probe).unlink()
+            return answer
+
+        def iterdir(self):
+            return self.real.iterdir()
+
+    monkeypatch.setattr(storage, "path", lambda p: Racing(p) if str(p) == workdir else real(p))
+
+
+def test_listing_a_prefix_whose_last_object_just_went_is_empty(bucket, monkeypatch):
+    workdir, probe = f"{bucket}/digits", f"{bucket}/digits/.replicator-write-check-0"
+    storage.write_bytes(probe, b"")
+    _vanishing_after_is_dir(monkeypatch, workdir, probe)
+    assert storage.listdir(workdir) == []
+
+
+_LOG_TO = """
+import sys
+from tests.test_seams import _vanishing_after_is_dir
+from replicator import storage
+from replicator.trainer.console import Console
+
+class Patch:  # pytest's monkeypatch, in this process
+    setattr = staticmethod(setattr)
+
+workdir, probe = sys.argv[1], sys.argv[2]
+console = Console(verbose=False)
+_vanishing_after_is_dir(Patch, workdir, probe)
+console.log_to(workdir, 1, "train", create=True)
+print("a line of process 1")
+console.close()
+"""
+
+
+def test_a_worker_writes_its_log_while_another_removes_its_write_check(bucket):
+    import subprocess
+    import sys
+
+    workdir, probe = f"{bucket}/digits", f"{bucket}/digits/.replicator-write-check-0"
+    storage.write_bytes(probe, b"")
+    done = subprocess.run([sys.executable, "-c", _LOG_TO, workdir, probe], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Cannot write a log" not in done.stderr
+    assert "a line of process 1" in storage.read_text(f"{workdir}/log.process_1.txt")
 
 
 # ---------------------------------------------------------------- one run per workdir
@@ -253,7 +347,8 @@ def test_launch_local_refuses_zero_processes(tmp_path):
          "train", "--config", "configs/digits_cnn.py:smoke", "--workdir", str(tmp_path / "r")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2 and "--processes (0)" in done.stderr
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.splitlines() == ["error: launch local --processes 0: give 1 or more"]
     assert not (tmp_path / "r").exists()
 
 

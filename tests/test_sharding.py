@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import replicator as rp
 from replicator.parallel import sharding as sh
-from replicator.parallel.mesh import DATA_AXES, MESH_AXES, build_mesh, hybrid_mesh_devices
+from replicator.parallel.mesh import DATA_AXES, build_mesh, hybrid_mesh_devices
 from replicator.step.state import TrainState
 from tests.compare import assert_trained_alike
 
@@ -387,7 +387,7 @@ def test_report_counts_bytes_per_device():
     )
     assert "mesh data=1 fsdp=8 tensor=1 (8 devices)" in report
     rows = {line.split()[0]: line for line in report.splitlines() if line.strip()}
-    assert sh._format_bytes(fsdp_bytes) in rows["params"]
+    assert sh.format_bytes(fsdp_bytes) in rows["params"]
     assert "opt_state" in rows and "total" in rows
     assert "Largest parameters left replicated, and why:" in report
     assert "params/block_0/mlp/fc/bias" in report  # the largest small one
@@ -473,7 +473,7 @@ def test_replicator_dcn_mesh_groups_devices_by_host_without_slices():
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(
-        sh, extraglobs={"jnp": jnp, "build_mesh": build_mesh, "MESH_AXES": MESH_AXES}
-    )
-    assert result.failed == 0 and result.attempted >= 3
+    from replicator.parallel import sharding_rules  # the rules half of sharding
+
+    results = [doctest.testmod(m, extraglobs={"jnp": jnp}) for m in (sh, sharding_rules)]
+    assert sum(r.failed for r in results) == 0 and sum(r.attempted for r in results) >= 3

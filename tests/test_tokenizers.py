@@ -263,7 +263,7 @@ def test_vocab_size_below_the_tokenizers_is_one_line(trained):
     model = dict(vocab_size=256, num_layers=1, num_heads=2, embed_dim=32, mlp_dim=64, max_len=16)
     settings = Settings(
         repl=rp.Replicator(), model=model, learning_rate=1e-3, optimizer="adam",
-        num_train_steps=1, grad_accum_steps=1, seed=0, tokenizer=trained["tiktoken"],
+        num_train_steps=1, grad_accum_steps=1, seed=0, options={"tokenizer": trained["tiktoken"]},
         dataset=f"text_files/block_size=16,files=/nowhere/*.txt,tokenizer={trained['tiktoken']}",
     )  # fmt: skip
     with pytest.raises(ConfigError, match="vocab_size=256 is smaller than.*655 ids"):

@@ -21,6 +21,7 @@ import pytest
 
 from replicator.compiled import topology as topology
 from replicator.errors import TopologyError
+from replicator.trainer import aot
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -39,6 +40,12 @@ def load_config(name, mode="smoke", **overrides):
     return config
 
 
+def report_folder(workdir):
+    """The one folder a compile wrote in ``workdir`` (``compile`` or ``compile_<overrides>``)."""
+    (folder,) = pathlib.Path(workdir).glob("compile*")
+    return folder
+
+
 def run_cli(*args, cwd=ROOT):
     env = {k: v for k, v in os.environ.items() if k != "REPLICATOR_DEBUG"}
     return subprocess.run(
@@ -48,7 +55,9 @@ def run_cli(*args, cwd=ROOT):
 
 
 @pytest.mark.parametrize("module", ["replicator.compiled.topology", "replicator.trainer.aot",
-                                    "replicator.trainer.peaks"])  # fmt: skip
+                                    "replicator.trainer.peaks", "replicator.trainer.compile_report",
+                                    "replicator.trainer.data.metadata",
+                                    "replicator.runtime.preflight"])  # fmt: skip
 def test_the_doctests(module):
     assert doctest.testmod(importlib.import_module(module)).failed == 0
 
@@ -136,26 +145,33 @@ def test_digits_compiles_for_v5e_16_from_the_command_line(digits_report):
     assert "fits, " in total and "of 15.75 GiB" in total
     assert any("all-reduce" in line and "over data" in line and "ICI" in line for line in lines)
     assert any(line.lstrip().startswith("roofline") and "MFU ceiling" in line for line in lines)
-    report = json.loads((workdir / "compile" / "report.json").read_text())
+    folder = report_folder(workdir)
+    report = json.loads((folder / "report.json").read_text())
     for key in ("topology", "chips", "memory_per_chip_bytes", "hbm_per_chip_bytes", "fits",
-                "flops_per_step", "collectives", "roofline_step_s"):  # fmt: skip
+                "flops_per_step", "collectives", "roofline_step_s", "shapes",
+                "versions"):  # fmt: skip
         assert key in report, key
     assert (report["topology"], report["chips"], report["fits"]) == ("v5e-16", 16, True)
     assert report["flops_per_step"] > 0 and report["roofline_step_s"] > 0
-    assert (workdir / "compile" / "train_step.hlo.txt").read_text().startswith("HloModule")
-    assert (workdir / "compile" / "eval_step.hlo.txt").is_file()
+    assert (folder / "train_step.hlo.txt").read_text().startswith("HloModule")
+    assert (folder / "eval_step.hlo.txt").is_file()
     assert not [line for line in done.stderr.splitlines() if "TPU_" in line]  # libtpu quiet
+    # What was not read, and which compiler: said on the console and in the report.
+    assert "the dataset was not read" in report["shapes"] and report["shapes"] in lines
+    assert set(report["versions"]) == {"jax", "jaxlib", "libtpu"}
+    assert f"compiled by jax {report['versions']['jax']}, jaxlib " in lines[-2]
+    # Progress while it compiles, on stderr: each step's lowering and compile, timed.
+    assert "compiling the train step (v5e-16, libtpu): done in " in done.stderr
 
 
 @needs_libtpu
 def test_the_reports_memory_is_the_compilers(digits_report, digits_data_dir):
     """A direct ``jax.jit(...).lower(...).compile()`` of the same step gives the same
     memory analysis, field for field, as the report's."""
-    from replicator.trainer import aot
     from replicator.trainer.setup import setup
 
     workdir, _ = digits_report
-    report = json.loads((workdir / "compile" / "report.json").read_text())
+    report = json.loads((report_folder(workdir) / "report.json").read_text())
     config = load_config("digits_cnn", "", data_dir=digits_data_dir, step_path="compile")
     run = setup(config, devices=topology.devices("v5e-16"))
     try:
@@ -183,8 +199,6 @@ def test_an_unknown_accelerator_is_one_line(tmp_path):
 
 
 def compile_lm(accelerator, slices=1, stdlib_dir=None, **overrides):
-    from replicator.trainer import aot
-
     config = load_config("lm_tiny", data_dir=stdlib_dir, **overrides)
     return aot.compile_for_topology(copy.deepcopy(config), accelerator, slices=slices)
 
@@ -202,15 +216,18 @@ def test_lm_tiny_on_v5e_16_gathers_and_reduces_over_fsdp(stdlib_dir):
     assert report.train.flops > 0 and report.train.roofline["step_s"] > 0
 
 
+@pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere
 @needs_libtpu
 def test_the_fit_line_flips_with_the_batch_size(stdlib_dir):
-    from replicator.trainer import aot
-
     report = compile_lm("v5e-16", stdlib_dir=stdlib_dir, batch_size=2**21)  # 16 fits
     assert not report.fits and not report.train.fits
     hbm = report.hbm_per_chip_bytes
     assert report.train.total_bytes > hbm
     assert aot.fit_text(report.train.total_bytes, hbm).startswith("does not fit by ")
+    # XLA's own out-of-memory message is the train step's, and printed under it.
+    lines = aot.summary_lines(report)
+    oom = [i for i, line in enumerate(lines) if line.startswith("  note: XLA ran out of memory")]
+    assert oom and oom[0] < lines.index("eval step, per chip:")
 
 
 @needs_libtpu
@@ -228,8 +245,6 @@ def test_two_slices_send_only_the_data_axis_across_them(stdlib_dir):
 @pytest.mark.slow  # 20 s: tests/test_packing.py compiles segmented splash alone on every run
 @needs_libtpu
 def test_packed_documents_compile_to_segmented_splash_on_a_tpu(stdlib_dir, tmp_path):
-    from replicator.trainer import aot
-
     config = load_config("lm_tiny", data_dir=stdlib_dir, pack_documents=True, step_path="compile")
     aot.compile_for_topology(config, "v5e-4", workdir=str(tmp_path))
     hlo = {s: (tmp_path / "compile" / f"{s}_step.hlo.txt").read_text() for s in ("train", "eval")}
@@ -238,22 +253,180 @@ def test_packed_documents_compile_to_segmented_splash_on_a_tpu(stdlib_dir, tmp_p
     assert all(f"splash_mha_{k}_segmented" in hlo["train"] for k in ("fwd", "dq", "dkv"))
 
 
-@needs_libtpu
-def test_launch_tpu_refuses_a_run_that_does_not_fit(tmp_path, digits_data_dir):
-    train = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run",
-             f"--config.data_dir={digits_data_dir}"]  # fmt: skip
+def preflight(tmp_path, *overrides):
+    """``launch tpu --dry-run`` of the pods page's digits example for a v5litepod-16, its
+    data and workdir in a bucket this machine cannot reach (a closed port stands in for
+    the storage service: any request would fail at once)."""
+    train = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://my-bucket/run",
+             "--config.data_dir=gs://my-bucket/tfds", *overrides]  # fmt: skip
     where = ["launch", "tpu", "--tpu", "my-pod", "--zone", "z", "--dry-run"]
-    where.append("--allow-local-workdir")  # the local data_dir: the pre-flight is tested here
-    env_home = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    done = subprocess.run(
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}  # fmt: skip
+    return subprocess.run(
         [sys.executable, "-m", "replicator", *where, "--accelerator-type", "v5litepod-16",
-         "--", *train, "--config.batch_size=16777216"],
-        cwd=ROOT, env={**os.environ, **env_home}, capture_output=True, text=True, timeout=300,
+         "--", *train],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+@needs_libtpu
+def test_the_preflight_needs_no_bucket_and_says_what_it_checked(tmp_path):
+    done = preflight(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("# pre-flight: python -m replicator compile --config ")
+    (said,) = [line for line in done.stdout.splitlines() if line.startswith("# pre-flight: fits")]
+    assert "shapes from the metadata of digits (tfds features); the dataset was not read" in said
+    versions = aot.compiler_versions()
+    assert said.endswith(f"compiled by jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
+                         f"libtpu {versions['libtpu']}")  # fmt: skip
+    # ... and the workers install that compiler: the environment pins it.
+    pins = f"jax=={versions['jax']} jaxlib=={versions['jaxlib']} libtpu=={versions['libtpu']}"
+    assert f'printf "%s\\n" {pins} > "$env/pins.txt"' in done.stdout
+
+
+@pytest.mark.slow  # the pre-flight's sibling above stays fast
+@needs_libtpu
+def test_launch_tpu_refuses_a_run_that_does_not_fit(tmp_path):
+    done = preflight(tmp_path, "--config.batch_size=16777216")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stdout.startswith("# pre-flight: python -m replicator compile --config ")
     assert "does not fit by" in done.stdout and "gcloud compute tpus" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the run does not fit v5litepod-16") and "--no-preflight" in last
-    report = tmp_path / "cache" / "replicator" / "preflight" / "my-pod" / "compile" / "report.json"
-    assert json.loads(report.read_text())["fits"] is False
+    folder = report_folder(tmp_path / "cache" / "replicator" / "preflight" / "my-pod")
+    assert json.loads((folder / "report.json").read_text())["fits"] is False
+
+
+# ---------------------------------------------------------------- the command's own seams
+
+
+def step_report(total, notes=()):
+    from replicator.trainer.compile_report import StepReport
+
+    return StepReport({}, {"temporaries": total}, total, total < 2**30, notes=list(notes))
+
+
+def test_a_note_is_printed_under_the_step_it_belongs_to():
+    from replicator.trainer.compile_report import CompileReport, summary_lines
+
+    oom = "XLA ran out of memory: RESOURCE_EXHAUSTED: Ran out of memory on HBM"
+    report = CompileReport(
+        "v5e-16", 1, 16, "TPU v5e", {"fsdp": 16}, None, 2**30,
+        step_report(2**31, [oom]), step_report(2**20, ["eval's own note"]),
+        {"jax": "0.10.2", "libtpu": "0.0.42.1"},
+    )  # fmt: skip
+    lines = summary_lines(report)
+    train, evaluate = lines.index("train step, per chip:"), lines.index("eval step, per chip:")
+    assert train < lines.index(f"  note: {oom}") < evaluate
+    assert lines.index("  note: eval's own note") > evaluate
+    assert "compiled by jax 0.10.2, libtpu 0.0.42.1" in lines
+    assert not report.fits and lines[-1].startswith("to fit: ")
+
+
+def test_a_compile_replaces_its_folder_whole(tmp_path):
+    """The same overrides again: the earlier compile's files go, its HLO of a step not
+    compiled now included; other overrides keep their own folder."""
+    from replicator.trainer.compile_report import CompileReport, report_dir, write_report
+
+    def report(overrides, evaluate):
+        return CompileReport("v5e-4", 1, 4, "TPU v5e", {"data": 4}, None, 2**34,
+                             step_report(1), step_report(1) if evaluate else None, {},
+                             overrides=overrides)  # fmt: skip
+
+    minimal = report_dir(str(tmp_path), {"remat_policy": "minimal"})
+    write_report(report({"remat_policy": "minimal"}, True), {"train": "A", "eval": "B"}, minimal)
+    pathlib.Path(minimal, "log.txt").write_text("the first compile's log\n")
+    full = report_dir(str(tmp_path), {"remat_policy": "full"})
+    write_report(report({"remat_policy": "full"}, True), {"train": "C", "eval": "D"}, full)
+    write_report(report({"remat_policy": "minimal"}, False), {"train": "E"}, minimal)
+    assert sorted(os.listdir(minimal)) == ["report.json", "train_step.hlo.txt"]
+    assert pathlib.Path(minimal, "train_step.hlo.txt").read_text() == "E"
+    assert json.loads(pathlib.Path(minimal, "report.json").read_text())["eval_step"] is None
+    assert sorted(os.listdir(full)) == ["eval_step.hlo.txt", "report.json", "train_step.hlo.txt"]
+    assert os.path.basename(minimal) == "compile_remat_policy=minimal"
+
+
+def test_a_long_compile_says_it_is_still_going(caplog):
+    import time
+
+    with caplog.at_level("INFO", logger="replicator"):
+        with aot.progress("compiling the train step", every_s=0.05):
+            time.sleep(0.3)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == "  compiling the train step ..."
+    assert len([s for s in said if s.endswith("s so far")]) >= 2
+    assert said[-1].startswith("  compiling the train step: done in ")
+
+
+@pytest.mark.parametrize("dataset", ["digits", "python_stdlib/modules_128"])
+def test_the_metadatas_example_is_shaped_as_the_datas(dataset, digits_data_dir, stdlib_dir):
+    import jax
+    import numpy as np
+
+    import experiments.lm  # noqa: F401  (registers python_stdlib)
+    from replicator.trainer import data
+    from replicator.trainer.data import metadata
+
+    data_dir = digits_data_dir if dataset == "digits" else stdlib_dir
+    read = data.load_data_source(dataset, "test", data_dir=data_dir)[0]
+    for where in (data_dir, "gs://no-such-bucket/tfds"):  # prepared here; its code's
+        shaped = metadata.example_from_metadata(dataset, where)
+        assert jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype), shaped.example) == (
+            jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype), read)
+        )
+
+
+def test_a_dataset_without_fixed_shapes_is_read_and_says_so():
+    from replicator.trainer.data import metadata
+
+    shaped = metadata.example_from_metadata("imagenet2012", "gs://no-such-bucket/tfds")
+    assert shaped.example is None and "no fixed shape to image (None, None, 3)" in shaped.how
+    assert metadata.example_from_metadata("no_such_dataset_at_all").example is None
+
+
+@pytest.mark.slow  # three compiles through the command line (about 25 s each)
+@needs_libtpu
+def test_two_compiles_with_other_overrides_keep_a_complete_folder_each(tmp_path):
+    workdir = tmp_path / "w"
+
+    def compile_digits(*args):
+        done = run_cli("compile", "--config", "configs/digits_cnn.py", "--topology", "V5E-16",
+                       "--workdir", str(workdir), "--config.step_path=compile", *args)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    compile_digits("--config.batch_size=32")
+    compile_digits("--config.batch_size=64")
+    compile_digits("--config.batch_size=64", "--steps=train")  # the same folder, whole again
+    folders = sorted(p.name for p in workdir.iterdir())
+    assert folders == ["compile_batch_size=32,step_path=compile",
+                       "compile_batch_size=64,step_path=compile"]  # fmt: skip
+    for folder, rows, steps in ((folders[0], 2, ["eval", "train"]), (folders[1], 4, ["train"])):
+        files = sorted(os.listdir(workdir / folder))
+        assert files == sorted(["log.txt", "report.json", *(f"{s}_step.hlo.txt" for s in steps)])
+        report = json.loads((workdir / folder / "report.json").read_text())
+        assert report["overrides"] == {"batch_size": str(rows * 16), "step_path": "compile"}
+        assert report["topology"] == "v5e-16"
+        # The program beside the report is the report's: its batch of `rows` per chip.
+        program = (workdir / folder / "train_step.hlo.txt").read_text()
+        assert f"[{rows},8,8,1]" in program and f"[{6 - rows},8,8,1]" not in program
+        assert (workdir / folder / "log.txt").read_text().count("==== ") == 1
+
+
+def test_the_workers_pin_the_compiler_that_compiled_here():
+    from replicator.runtime import worker_env
+    from replicator.runtime.bundle import Bundle
+
+    env = worker_env.plan_environment(ROOT, "3.11")
+    versions = aot.compiler_versions() if importlib.util.find_spec("libtpu") else {}
+    assert env.pins == tuple(f"{k}=={v}" for k, v in versions.items())
+    if not env.pins:
+        return
+    unpinned = worker_env.Environment(env.python, env.requirements, env.wheels)
+    assert env.digest != unpinned.digest  # another compiler here: another environment there
+    bundle = Bundle({}, "project", (), "0" * 12)
+    script = worker_env.setup_script(bundle, env).splitlines()
+    pins = [line.strip() for line in script if "pins.txt" in line]
+    assert pins == [f'printf "%s\\n" {" ".join(env.pins)} > "$env/pins.txt"',
+                    'export UV_CONSTRAINT="$env/pins.txt"']  # fmt: skip
+    assert "pinned to this machine's compiler: jax " in worker_env.describe_environment(env)

@@ -79,6 +79,7 @@ def test_eval_restores_onto_any_device_count(trained, num_devices):
     assert got["loss"] == pytest.approx(result["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # make test-slow: a faster test holds its invariant
 def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
     results = {}
     for path in ("run", "compile"):
@@ -102,7 +103,7 @@ def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
         ({"grad_accum_steps": 3}, "grad_accum_steps=3 does not divide the per-replica batch"),
         ({"step_path": "pmap"}, "'step_path'='pmap' is not one of"),
         ({"mesh": {"data": 3}}, "3 devices but 8"),
-        ({"model": {"num_clases": 10}}, "config.model does not fit"),
+        ({"model": {"num_clases": 10}}, r"'model.num_clases' \(did you mean 'model.num_classes'"),
         ({"experiment": "experiments.nope"}, "experiments.nope' cannot be imported"),
         ({"experiment": "experiments.datasets"}, "has no make_experiment"),
         ({"best_metric": "perplexity"}, r"'perplexity' is not a metric .* \['accuracy'"),
@@ -179,7 +180,7 @@ def test_cli_train_then_eval(tmp_path, digits_data_dir):
     assert "Final test metrics after 4 steps: loss" in done.stdout
     assert json.loads(open(f"{workdir}/config.json").read())["batch_size"] == 32
 
-    done = run_cli("eval", *common, devices=3)
+    done = run_cli("eval", *common, "--json", devices=3)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["step"] == 4 and result["num_examples"] == 360

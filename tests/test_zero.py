@@ -80,16 +80,26 @@ def make_state(tx, key, grad_accum_steps=1):
     return rp.TrainState.create(params, tx, key, grad_accum_steps=grad_accum_steps)
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
 # Adam turns the last bits of a near-zero gradient into a step of up to its learning
 # rate (tests/compare.py); SGD keeps them small, and is the one an extra psum (N times
 # the step) fails.
+OPTIMIZERS = {"sgd": (lambda: optax.sgd(0.1), False), "adam": (lambda: optax.adam(1e-2), True)}
+# make test runs every mesh and both optimizers (the rest: make test-slow).
+SLOW_CASES = {("sgd", "cube"), ("sgd", "data4_tensor2"), ("adam", "data4_fsdp2"),
+              ("adam", "data4_tensor2")}  # fmt: skip
+assert all(t in OPTIMIZERS and m in MESHES for t, m in SLOW_CASES), SLOW_CASES  # none stale
+
+
 @pytest.mark.parametrize(
-    "make_tx, adam",
-    [(lambda: optax.sgd(0.1), False), (lambda: optax.adam(1e-2), True)],
-    ids=["sgd", "adam"],
+    "tx_name, mesh_name",
+    [
+        pytest.param(t, m, marks=[pytest.mark.slow] if (t, m) in SLOW_CASES else [])
+        for t in OPTIMIZERS
+        for m in MESHES
+    ],
 )
-def test_run_keeps_the_state_sharded_and_equals_one_device(mesh_name, make_tx, adam):
+def test_run_keeps_the_state_sharded_and_equals_one_device(tx_name, mesh_name):
+    make_tx, adam = OPTIMIZERS[tx_name]
     repl = rp.Replicator(mesh=MESHES[mesh_name], rules=RULES)
     tx = repl.wrap_optimizer(make_tx())
     state = repl.init(lambda key: make_state(tx, key), jax.random.key(0))
@@ -193,7 +203,7 @@ def test_zero_gathers_parameters_once_and_reduce_scatters_gradients(grad_accum_s
     assert collective_bytes(hlo, "all-reduce") <= replicated + 8  # biases, the finite flag
 
 
-@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+@pytest.mark.parametrize("grad_accum_steps", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_what_the_step_reads_is_what_it_reads_unsharded(grad_accum_steps):
     """The optimizer reduce-scatters unsummed gradients, yet the step still reads the
     summed whole gradient (its norm), and a value of the parameters alone comes

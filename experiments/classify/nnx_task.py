@@ -21,7 +21,7 @@ precision.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +58,6 @@ def classifier(
     """
     if arch != "nnx_cnn":
         raise ConfigError(f"config.model.arch={arch!r}: the NNX experiment has only 'nnx_cnn'.")
-    repl = settings.repl
-    tx = settings.make_optimizer()
 
     def make_model(image_shape: Sequence[int], rng: jax.Array) -> CNN:
         return CNN(
@@ -68,9 +66,18 @@ def classifier(
             conv_features=tuple(conv_features),
             hidden_features=hidden_features,
             dropout_rate=dropout_rate,
-            axis_name=repl.axis_name,
+            axis_name=settings.repl.axis_name,
             rngs=nnx.Rngs(params=rng),
         )
+
+    return _experiment(make_model, settings)
+
+
+def _experiment(
+    make_model: Callable[[Sequence[int], jax.Array], CNN], settings: Settings
+) -> Experiment:
+    """The experiment around an NNX classifier; ``make_model(image_shape, rng)`` builds it."""
+    repl, tx = settings.repl, settings.make_optimizer()
 
     @functools.cache
     def graphdef(image_shape: tuple[int, ...]) -> nnx.GraphDef:

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +43,6 @@ def preprocess(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def make_experiment(settings: Settings) -> Experiment:
     """The classification experiment, from ``config.model`` (`classifier`'s arguments)."""
-    settings.refuse_pipeline("the classifiers")
-    settings.refuse_context("the classifiers")
-    if settings.remat_policy is not None:
-        raise ConfigError(
-            f"config.remat_policy={settings.remat_policy!r}: the classifiers name no tensors "
-            "to keep; remat_policy applies to the LM (experiments.lm)"
-        )
     return classifier(settings, **settings.model)
 
 
@@ -98,9 +92,12 @@ def classifier(
                      mlp_dim, norm_eps, qkv_bias, num_channels)  # fmt: skip
     else:
         raise ConfigError(f"config.model.arch={arch!r}: choose 'cnn', 'resnet' or 'vit'.")
-    model = repl.apply_policy(module)
-    with_state = arch == "resnet"
-    tx = settings.make_optimizer()
+    return _experiment(repl.apply_policy(module), settings, with_state=arch == "resnet")
+
+
+def _experiment(model: nn.Module, settings: Settings, *, with_state: bool) -> Experiment:
+    """The experiment around a linen classifier; ``with_state``: it has BatchNorm statistics."""
+    repl, tx = settings.repl, settings.make_optimizer()
 
     def apply(params, model_state, images, train):
         variables = {"params": params, **(model_state or {})}

@@ -37,7 +37,7 @@ import replicator as rp
 from experiments.gan.model import SPECTRAL, Discriminator, Generator
 from experiments.gan.score import fit_digits_classifier, score_sums, summarize_scores, to_unit_range
 from replicator import storage
-from replicator.trainer import ConfigError, Experiment, Settings
+from replicator.trainer import ConfigError, ConfigKeys, Experiment, Settings
 
 METRIC_NAMES = ("fid", "classifier_score")
 NOISE_MODES = ("replica", "example")
@@ -65,6 +65,10 @@ class GANConfig:
     d_learning_rate: float | None = None
     noise: str = "replica"
 
+    def __post_init__(self):
+        if self.noise not in NOISE_MODES:
+            raise ConfigError(f"config.model.noise={self.noise!r} is not one of {NOISE_MODES}.")
+
     @classmethod
     def from_model(cls, model: Mapping[str, Any]) -> GANConfig:
         """Reads ``config.model``, naming any key that is not a field."""
@@ -75,10 +79,34 @@ class GANConfig:
                 f"config.model has keys that experiments.gan does not take: {unknown}; "
                 f"it takes {sorted(known)}."
             )
-        config = cls(**model)
-        if config.noise not in NOISE_MODES:
-            raise ConfigError(f"config.model.noise={config.noise!r} is not one of {NOISE_MODES}.")
-        return config
+        return cls(**model)
+
+
+def check_config(values: Mapping[str, Any]) -> list[str]:
+    """`GANConfig`'s own checks of ``config.model``, made before anything is written."""
+    try:
+        GANConfig(**values["model"])
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
+# The GAN's config keys: its model's (`GANConfig`'s fields: types, meanings; the defaults
+# are the fields'); no top-level key of its own, no mesh axis beyond data, fsdp and tensor.
+_MODEL_ROWS = {
+    "noise_dim": ((int,), "size of the latent vector"),
+    "generator_features": ((tuple, list), "channels of the generator's 4x4 and 8x8 maps"),
+    "discriminator_features": ((tuple, list), "channels of the discriminator's convolutions"),
+    "d_learning_rate": ((float, None), "the discriminator's learning rate (None: learning_rate)"),
+    "noise": ((str,), "'replica' (rp.replica_key) or 'example' (each example's own latents)"),
+}
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(GANConfig)}
+CONFIG_KEYS = ConfigKeys(
+    model={
+        name: (types, _DEFAULTS[name], meaning) for name, (types, meaning) in _MODEL_ROWS.items()
+    },
+    check=check_config,
+)
 
 
 @struct.dataclass
@@ -287,13 +315,6 @@ def make_experiment(settings: Settings) -> Experiment:
     Raises:
       ValueError: ``config.model`` has a key that `GANConfig` does not.
     """
-    settings.refuse_pipeline("the GAN")
-    settings.refuse_context("the GAN")
-    if settings.remat_policy is not None:
-        raise ConfigError(
-            f"config.remat_policy={settings.remat_policy!r}: the GAN names no tensors to "
-            "keep; remat_policy applies to the LM (experiments.lm)"
-        )
     config = GANConfig.from_model(settings.model)
     repl = settings.repl
     generator = Generator(features=tuple(config.generator_features), axis_name=repl.axis_name)

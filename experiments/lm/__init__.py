@@ -1,11 +1,14 @@
 """Language modelling: a GPT-2-shaped decoder on byte-level text, built offline.
 
 ``make_experiment`` is what the trainer calls (``config.experiment =
-"experiments.lm"``). Importing this package registers the ``python_stdlib`` and
+"experiments.lm"``), and ``CONFIG_KEYS`` the config keys it reads
+(`experiments.lm.config`: tokenizer, packing, remat, pipeline, context and the
+model's keys). Importing this package registers the ``python_stdlib`` and
 ``text_files`` tfds builders (`experiments.datasets.text`).
 """
 
 import experiments.datasets.text  # noqa: F401  (registers the text builders with tfds)
+from experiments.lm.config import CONFIG_KEYS as CONFIG_KEYS
 from experiments.lm.hf import hf_checkpoint as hf_checkpoint
 from experiments.lm.model import Transformer as Transformer
 from experiments.lm.model import count_params as count_params

@@ -58,7 +58,7 @@ from replicator.attention.context import (
     split_sequence,
 )
 from replicator.parallel.activations import constrain
-from replicator.parallel.moe import MoEFeedForward
+from replicator.parallel.moe import MoEFeedForward, resolve_routing
 from replicator.parallel.pipelining import pipeline, stage_count
 from replicator.step import remat as remat_lib
 
@@ -91,6 +91,7 @@ class Block(nn.Module):
     num_experts: int | None = None
     experts_per_token: int = 2
     expert_capacity_factor: float | None = 1.25
+    expert_routing: str | None = None
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     mlp_activation: str = "gelu"
@@ -134,7 +135,7 @@ class Block(nn.Module):
             h, aux = MoEFeedForward(
                 self.num_experts, self.experts_per_token, self.mlp_dim,
                 self.expert_capacity_factor, gated=swiglu,
-                activation=nn.silu if swiglu else nn.gelu, name="moe",
+                activation=nn.silu if swiglu else nn.gelu, routing=self.expert_routing, name="moe",
             )(h, token_order=order)  # fmt: skip
             self.sow("intermediates", "moe_aux", aux)
         else:
@@ -300,6 +301,7 @@ class Transformer(nn.Module):
     num_experts: int | None = None
     experts_per_token: int = 2
     expert_capacity_factor: float | None = 1.25
+    expert_routing: str | None = None  # rp.moe.ROUTINGS; None: "switch" for k = 1, else "mixtral"
     moe_every: int = 1
     norm: str = "layernorm"
     norm_eps: float = 1e-5
@@ -483,14 +485,32 @@ class Transformer(nn.Module):
             logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
         if cache is not None:
             return logits_fn(x_BxTxE), kv_cache.write(cache, *new_kv)
-        if targets is None:
-            out = logits_fn(x_BxTxE)
-        elif not self.loss_chunk or self.loss_chunk >= tokens_BxT.shape[1]:
-            out = token_nats(logits_fn(x_BxTxE), targets)
-        else:
-            out = chunked_token_nats(x_BxTxE, targets, logits_fn, self.loss_chunk)
+        out = token_outputs(x_BxTxE, targets, logits_fn, self.loss_chunk)
         out = gather_sequence(out) if split else out
         return restore_order(out, cp) if balanced else out
+
+
+def token_outputs(
+    x_BxTxE: jax.Array, targets_BxT: jax.Array | None, logits_fn: Any, loss_chunk: int | None
+) -> jax.Array:
+    """What the model returns for each token of the final hidden states ``x_BxTxE``.
+
+    Args:
+      x_BxTxE: the hidden states after the final norm.
+      targets_BxT: the next tokens, or None.
+      logits_fn: hidden states -> logits (the head, or the tied embedding).
+      loss_chunk: with targets, compute the logits this many positions at a time
+        (`chunked_token_nats`); None, 0 or the whole sequence: all at once.
+
+    Returns:
+      The logits ``[batch, time, vocab]``, or with targets the per-token
+      cross-entropy in nats ``[batch, time]``.
+    """
+    if targets_BxT is None:
+        return logits_fn(x_BxTxE)
+    if not loss_chunk or loss_chunk >= x_BxTxE.shape[1]:
+        return token_nats(logits_fn(x_BxTxE), targets_BxT)
+    return chunked_token_nats(x_BxTxE, targets_BxT, logits_fn, loss_chunk)
 
 
 def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
@@ -511,6 +531,7 @@ def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
         num_experts=model.num_experts or None,
         experts_per_token=model.experts_per_token,
         expert_capacity_factor=model.expert_capacity_factor,
+        expert_routing=model.expert_routing,
         norm=model.norm,
         norm_eps=model.norm_eps,
         mlp_activation=model.mlp_activation,
@@ -555,6 +576,7 @@ def _check_parallel_keys(model: Transformer) -> None:
             f"experts_per_token={model.experts_per_token} must be in [1, "
             f"num_experts={model.num_experts}]."
         )
+    resolve_routing(model.expert_routing, model.experts_per_token, key="expert_routing")
     if model.moe_every < 1 or model.num_layers % model.moe_every:
         raise ValueError(
             f"moe_every={model.moe_every}: every moe_every-th block is a mixture of experts, "

@@ -27,7 +27,7 @@ import numpy as np
 import replicator as rp
 from experiments.datasets.text import recorded_tokenizer
 from experiments.datasets.tokenizers import Tokenizer, load_tokenizer
-from experiments.lm.model import Transformer
+from experiments.lm.config import MODEL_OPTIONS, make_model, options_of
 from replicator.trainer import ConfigError, Experiment, Settings
 
 METRIC_NAMES = ("loss", "perplexity")
@@ -206,68 +206,6 @@ def check_tokenizer(spec: str, dataset: str | None, vocab_size: int) -> Tokenize
     return tokenizer
 
 
-def make_model(
-    model_kwargs: Mapping[str, Any], remat_policy: str | None = None, **parallel: Any
-) -> Transformer:
-    """The `Transformer` from the config's ``model`` dict, ``remat_policy`` and
-    ``pipeline_microbatches`` / ``pipeline_repeats`` / ``context_strategy`` /
-    ``context_load_balance``."""
-    if "warmup_steps" in model_kwargs:
-        raise ConfigError(
-            "config.model.warmup_steps is a config key of its own now: config.warmup_steps "
-            "(with config.lr_schedule='cosine', config.lr_end_fraction=0.1 as before)"
-        )
-    if "remat" in model_kwargs or "remat_policy" in model_kwargs:
-        raise ConfigError(
-            "config.model.remat is config.remat_policy now: None (keep every activation), "
-            "'full' (what remat=True was), 'minimal', 'save_dot_except_mlp', 'save_qkv_proj' "
-            "or 'minimal_offloaded'"
-        )
-    try:
-        return Transformer(**model_kwargs, remat_policy=remat_policy, **parallel)
-    except ValueError as e:  # the model's own checks of its sizes
-        raise ConfigError(f"config.model: {e}") from None
-    except TypeError as e:
-        known = sorted(
-            f.name
-            for f in Transformer.__dataclass_fields__.values()
-            if f.name not in ("parent", "name")
-        )
-        raise ConfigError(
-            f"config.model has a key the LM does not take ({e}); known: {known}."
-        ) from None
-
-
-def check_parallel_settings(settings: Settings, length: int | None = None) -> None:
-    """One-line errors for parallelism the LM cannot run as configured: a pipeline of
-    mixture-of-experts blocks; sequences of ``length`` that do not split over the mesh's
-    ``context`` axis (in two chunks per device with ``context_load_balance``).
-
-    Raises:
-      ConfigError: naming the keys to change.
-    """
-    mesh = dict(settings.repl.mesh.shape)
-    experts, stages = settings.model.get("num_experts"), mesh.get("stage", 1)
-    pipelined = stages > 1 or settings.pipeline_microbatches is not None
-    if experts and (pipelined or settings.pipeline_repeats != 1):
-        raise ConfigError(
-            f"config.model.num_experts={experts} with a pipeline (mesh axis 'stage' of "
-            f"{stages}, pipeline_microbatches={settings.pipeline_microbatches}, "
-            f"pipeline_repeats={settings.pipeline_repeats}): a pipeline does not run "
-            "mixture-of-experts blocks; drop the 'stage' axis and the pipeline keys, or the "
-            "experts"
-        )
-    shards = mesh.get("context", 1)
-    chunks = 2 * shards if settings.context_load_balance else shards
-    if length is not None and length % chunks:
-        balanced = ", two each: context_load_balance" if settings.context_load_balance else ""
-        raise ConfigError(
-            f"a sequence of {length} tokens does not split into {chunks} equal chunks over "
-            f"mesh axis 'context' of {shards}{balanced}; use a length (the dataset's block "
-            f"size, model.max_len) divisible by {chunks}, or another 'context' size"
-        )
-
-
 def make_experiment(settings: Settings) -> Experiment:
     """The language-modelling `Experiment` for the trainer.
 
@@ -280,24 +218,15 @@ def make_experiment(settings: Settings) -> Experiment:
     adds ``MOE_BALANCE_WEIGHT`` x the load-balancing loss and ``MOE_Z_LOSS_WEIGHT`` x
     the router z-loss (means over the MoE layers, each over the whole batch's tokens
     on both step paths, as on one device); throughput counts
-    ``max_len`` tokens per example. A config's ``tokenizer`` (``settings.tokenizer``)
-    must fit ``model.vocab_size`` and be the one the dataset was tokenized with
-    (`check_tokenizer`).
+    ``max_len`` tokens per example. The config's tokenizer (``settings.options``'
+    ``tokenizer``) must fit ``model.vocab_size`` and be the one the dataset was
+    tokenized with (`check_tokenizer`).
     """
-    check_parallel_settings(settings)
-    network = make_model(
-        settings.model,
-        settings.remat_policy,
-        pipeline_microbatches=settings.pipeline_microbatches,
-        pipeline_repeats=settings.pipeline_repeats,
-        context_strategy=settings.context_strategy,
-        context_load_balance=settings.context_load_balance,
-    )
-    if settings.tokenizer is not None:  # a config's: checked before anything is written
-        check_tokenizer(settings.tokenizer, settings.dataset, network.vocab_size)
-    separator = (
-        document_separator(settings.tokenizer or "bytes") if settings.pack_documents else None
-    )
+    options = options_of(settings)  # the LM's keys (`experiments.lm.config`)
+    network = make_model(settings.model, **{key: options[key] for key in MODEL_OPTIONS})
+    if "tokenizer" in settings.options:  # a config's: checked before anything is written
+        check_tokenizer(options["tokenizer"], settings.dataset, network.vocab_size)
+    separator = document_separator(options["tokenizer"]) if options["pack_documents"] else None
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
 
@@ -314,7 +243,6 @@ def make_experiment(settings: Settings) -> Experiment:
         )
 
     def train_step(state: rp.TrainState, batch: Mapping[str, jax.Array]):
-        check_parallel_settings(settings, length=batch["inputs"].shape[1])  # as it is traced
         total_tokens = rp.global_sum(token_weights(batch))  # over every replica and microbatch
         dropout_rng = rp.replica_key(jax.random.fold_in(state.rng, state.step))
 

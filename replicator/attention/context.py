@@ -7,10 +7,9 @@ sequence, by one of two strategies:
 
 * ``"gather"`` (MaxText's default, ``all_gather`` context parallelism): the keys
   and values are all-gathered over ``context``, and each device attends from its
-  queries to all of them under the causal mask of their global positions (the
-  hidden scores are computed and masked). One collective per call (a
-  reduce-scatter of their gradients back); every device holds the whole
-  sequence's keys and values.
+  queries to all of them under the causal mask of their global positions, shard
+  by shard of the keys. One collective per call (a reduce-scatter of their
+  gradients back); every device holds the whole sequence's keys and values.
 * ``"ring"`` (ring attention, Liu et al. 2023): the key/value blocks go round the
   ring of devices with ``ppermute`` (``CP - 1`` hops), each device folding every
   block into a running softmax (the maximum, the sum and the weighted values, as
@@ -20,14 +19,20 @@ sequence, by one of two strategies:
   with their gradients, and the saved state is only this device's queries, keys,
   values, output and log-sum-exp.
 
-Either way a device works through its queries and the keys it holds in chunks
-(``chunk`` positions, 512 by default) as flash attention does: one
-``[batch, chunk, heads, chunk]`` block of float32 scores at a time, never a
-``[T / CP, T]`` one, forward and backward (flash attention's backward, which
-recomputes the probabilities from the saved log-sum-exp). Under ``"ring"`` the
-pairs of chunks the causal mask hides entirely are known from the hop and are
-not computed at all; under ``"gather"``, whose queries' positions depend on the
-shard, they are computed and masked.
+Either way a device's queries attend block by block, through the attention
+room's kernel interface (`replicator.attention.blocks`): each block of this
+device's queries against a block of keys gives its output and log-sum-exp, and
+the blocks are combined by their log-sum-exps (as flash attention combines its
+tiles); the backward pass gives each block its share of the gradients against the
+combined output and log-sum-exp (flash attention's backward). The pairs of blocks
+the causal mask hides entirely are known from the hop (or from which shard's keys
+a gathered block holds) and are not computed at all. What computes a block is
+the backend's kernel (``implementation``, `blocks.choose_kernel`): on TPU Pallas's
+splash kernels (forward and backward fused; blocks of a multiple of 128
+positions), elsewhere flash attention in XLA's operations, ``chunk`` positions of
+queries and keys at a time (one ``[batch, chunk, heads, chunk]`` block of float32
+scores, never a ``[T / CP, T]`` one). cuDNN gives no log-sum-exp a block could be
+combined by (see `blocks`), so a GPU's blocks are XLA's.
 
 With a causal mask a plain split is uneven: the device holding the end of the
 sequence attends to all of it, the first only to its own block. `load_balance`
@@ -41,14 +46,14 @@ Reorder the targets with the tokens and a per-token loss is unchanged.
 
 Packed documents: with ``segment_ids`` a query attends only to the keys of its own
 segment. The ids of a block of keys travel with it (gathered with it, or round
-the ring beside it), and each computed pair of chunks masks its scores by them
-(`replicator.attention.flash`, which holds the chunked flash attention both strategies
-share); the pairs computed stay those the causal mask decides, statically.
+the ring beside it), and each block computed masks its scores by them; the blocks
+computed stay those the causal mask decides, statically.
 
 `context_attention` runs in the global view (`Replicator.compile`, or
 ``jax.jit`` under ``jax.set_mesh``), where it goes manual over ``context`` and
 the axes the batch is split over in a ``jax.shard_map`` and leaves every other
-axis (``tensor``'s heads) to the compiler; inside a ``shard_map`` where ``context``
+axis (``tensor``'s heads) to the compiler (with splash's blocks, which XLA cannot
+partition, manual over those too); inside a ``shard_map`` where ``context``
 is manual already it runs the per-device program on the local block (or, where
 JAX's ``check_vma`` shows the inputs are the same on every device along
 ``context``, as a `Replicator.run` step's are unless it splits them, attends over
@@ -78,16 +83,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from replicator.attention import blocks as blocks
 from replicator.attention import flash as flash
 from replicator.attention import kernels as attention_lib
+from replicator.errors import ConfigError
+from replicator.parallel import axes as mesh_axes
+from replicator.parallel.activations import batch_axes
+from replicator.runtime import compat
 from replicator.spmd.context import vary
 
 CONTEXT_AXIS = "context"
 STRATEGIES = ("gather", "ring")
-CHUNK = 512  # positions of queries and keys per block of scores
+CHUNK = blocks.CHUNK  # XLA's blocks: positions of queries and keys per block of scores
 
 
 def context_attention(
@@ -120,26 +129,25 @@ def context_attention(
       load_balanced: the sequence is in `load_balance`'s order (shard ``i`` holds
         chunks ``i`` and ``2 * CP - 1 - i``), not the original one.
       axis: the mesh axis the sequence is split over.
-      implementation: `replicator.attention.kernels.causal_attention`'s kernel where the
-        sequence is not split (no ``axis``, or size 1). A split sequence's blocks
-        are XLA's matrix products: ``"auto"`` or ``"xla"`` there.
-      chunk: where the sequence is split, queries and keys are taken this many
-        positions at a time (the largest number up to it that divides a shard's
-        block, or its halves when load balanced): a device holds one
-        ``[batch, chunk, heads, chunk]`` block of float32 scores at a time, and
-        computes only the pairs of chunks that the causal mask leaves visible.
+      implementation: one of `replicator.attention.kernels.IMPLEMENTATIONS`: the
+        whole sequence's kernel where it is not split (no ``axis``, or size 1), each
+        block's where it is (`replicator.attention.blocks.choose_kernel`: ``"auto"``
+        is splash on TPU in the global view, XLA's elsewhere; ``"cudnn"`` is XLA's).
+      chunk: XLA's blocks take queries and keys this many positions at a time (the
+        largest number up to it that divides a block): a device holds one
+        ``[batch, chunk, heads, chunk]`` block of float32 scores at a time.
       segment_ids: None, or int32 ``[batch, time]``, aligned and split like ``q``
         (packed documents): a query attends only to keys of its own id. The key
-        blocks' ids travel with them (gathered, or round the ring), and mask the
-        scores inside each pair of chunks that is computed.
+        blocks' ids travel with them (gathered, or round the ring).
 
     Returns:
       The attention output, shaped and split like ``q``, in ``q``'s dtype.
 
     Raises:
-      ValueError: an unknown strategy, mismatched shapes, a length that does not
-        split into ``CP`` blocks (``2 * CP`` chunks when load balanced), or a
-        fused kernel asked for a split sequence; each one line.
+      ConfigError: a length that does not split into ``CP`` blocks (``2 * CP``
+        chunks when load balanced); one line.
+      ValueError: an unknown strategy or kernel, mismatched shapes, or splash asked
+        for where it cannot run; one line.
 
     >>> x = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
     >>> y = context_attention(x, x, x, strategy="ring")  # no context axis: one device's
@@ -153,44 +161,52 @@ def context_attention(
             q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, implementation=implementation,
             segment_ids=segment_ids,
         )  # fmt: skip
-    if implementation not in ("auto", "xla"):
-        raise ValueError(
-            f"context_attention: implementation={implementation!r} is a kernel for a whole "
-            f"sequence, but {axis!r} splits it over {cp} devices, whose blocks XLA computes; "
-            f"use implementation='auto'."
-        )
-    local = functools.partial(
-        _local_attention, strategy=strategy, balanced=load_balanced, axis=axis, chunk=chunk
-    )
-    length = q_BxTxHxD.shape[1]
     args = (q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
     if segment_ids is not None:  # an optional fourth argument all the way down
         args += (jnp.asarray(segment_ids, jnp.int32),)
-    if _is_manual(axis):
-        whole = _whole_on_every_shard(axis, *args)
-        _check_length(length * (1 if whole else cp), cp, load_balanced, "context_attention")
-        return local(*args, whole=whole)
-    _check_length(length, cp, load_balanced, "context_attention")
-    return _split_program(local, axis, q_BxTxHxD.shape[0], len(args))(*args)
-
-
-def _split_program(local, axis: str, batch: int, count: int):
-    """``local`` of ``count`` arguments (``q``, ``k``, ``v`` and maybe segment ids) in a
-    ``shard_map`` manual over ``axis`` and the batch's axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    rows = _batch_axes(mesh, axis, batch)
-    spec = P(rows or None, axis)
-    program = functools.partial(
-        jax.shard_map, mesh=mesh, axis_names=frozenset({axis, *rows}), check_vma=True
+    manual = mesh_axes.is_manual(axis)
+    whole = manual and _whole_on_every_shard(axis, *args)
+    length = q_BxTxHxD.shape[1] * (cp if manual and not whole else 1)
+    _check_length(length, cp, load_balanced, "context_attention", axis)
+    pieces = 1 if whole else 2 * cp if load_balanced else cp
+    kernel = blocks.choose_kernel(implementation, length // pieces, chunk=chunk)
+    local = functools.partial(
+        _local_attention, strategy=strategy, balanced=load_balanced, axis=axis, kernel=kernel
     )
-    if AxisType.Manual in mesh.axis_types:  # inside a shard_map over other axes (run's)
-        return _nested(local, program, spec, count)
-    return program(local, in_specs=(spec,) * count, out_specs=spec)
+    if manual:
+        return local(*args, whole=whole)
+    return _split_program(local, axis, k_BxTxKxD.shape, len(args), kernel)(*args)
 
 
-def _nested(local, program, spec, count: int):
-    """``local`` under ``program`` (a ``shard_map`` inside another's manual axes), with a
-    backward pass that is a ``shard_map`` of its own, recomputing the forward.
+def _split_program(local, axis: str, shape: tuple[int, ...], count: int, kernel):
+    """``local`` of ``count`` arguments (``q``, ``k``, ``v`` and maybe segment ids) in a
+    ``shard_map`` manual over ``axis`` and the batch's axes (``shape``: the keys').
+
+    A splash kernel is one device's program, which XLA never partitions: the program
+    is manual over every automatic axis then, the key heads split over the activation
+    rules' head axes where they divide, and unchecked (Pallas's kernels carry no
+    ``check_vma`` types)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = batch_axes(mesh, shape[0], exclude=axis)  # each device works on its own rows
+    names, heads, splash = {axis, *rows}, (), kernel.implementation == "splash"
+    if splash:
+        heads = attention_lib.kernel_axes(mesh, shape[0], shape[2])[1]
+        heads = tuple(a for a in heads if a not in names)
+        names = set(mesh_axes.auto_axes(mesh))
+    spec, ids = P(rows or None, axis, heads or None), P(rows or None, axis)
+    specs = dict(in_specs=(spec,) * 3 + (ids,) * (count - 3), out_specs=spec)
+    program = functools.partial(
+        jax.shard_map, mesh=mesh, axis_names=frozenset(names), check_vma=not splash
+    )
+    if mesh_axes.manual_axes(mesh):  # inside a shard_map over other axes (run's)
+        return _nested(local, program, specs)
+    return program(local, **specs)
+
+
+def _nested(local, program, specs):
+    """``local`` under ``program`` (a ``shard_map`` inside another's manual axes, with
+    ``specs``), with a backward pass that is a ``shard_map`` of its own, recomputing
+    the forward.
 
     JAX 0.10 cannot differentiate a ``shard_map`` nested in one with ``check_vma``:
     the residuals it passes between the two halves name the outer manual axes, which
@@ -198,29 +214,28 @@ def _nested(local, program, spec, count: int):
 
     @jax.custom_vjp
     def attend(*args):
-        return program(local, in_specs=(spec,) * count, out_specs=spec)(*args)
+        return program(local, **specs)(*args)
 
     def backward(saved, d_out):
         def local_grads(d_out, q, k, v, *ids):
             return jax.vjp(lambda q, k, v: local(q, k, v, *ids), q, k, v)[1](d_out)
 
-        specs = dict(in_specs=(spec,) * (count + 1), out_specs=(spec,) * 3)
-        return (*program(local_grads, **specs)(d_out, *saved), *[None] * (count - 3))
+        spec, ins = specs["out_specs"], specs["in_specs"]
+        grads = program(local_grads, in_specs=(spec, *ins), out_specs=(spec,) * 3)
+        return (*grads(d_out, *saved), *[None] * (len(saved) - 3))
 
     attend.defvjp(lambda *args: (attend(*args), args), backward)
     return attend
 
 
 def context_size(axis: str = CONTEXT_AXIS) -> int:
-    """The size of ``axis`` in the mesh being traced for (1 without one).
+    """The number of context shards: the size of ``axis`` in the mesh being traced for
+    (`replicator.parallel.axes.size`; 1 without one).
 
     >>> context_size()
     1
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return 1
-    return mesh.shape[axis]
+    return mesh_axes.size(axis)
 
 
 # ------------------------------------------------------------ a per-replica step's sequences
@@ -238,12 +253,12 @@ def split_sequence(x, axis: str = CONTEXT_AXIS, dim: int = 1):
     ``CP`` equal ones (in `load_balance`'s order if the sequence was reordered).
 
     Raises:
-      ValueError: the length does not split into ``CP`` blocks (one line).
+      ConfigError: the length does not split into ``CP`` blocks (one line).
     """
     cp = context_size(axis)
-    if cp == 1 or not _is_manual(axis) or not _whole_on_every_shard(axis, x):
+    if cp == 1 or not mesh_axes.is_manual(axis) or not _whole_on_every_shard(axis, x):
         return x
-    _check_length(x.shape[dim], cp, False, "split_sequence")
+    _check_length(x.shape[dim], cp, False, "split_sequence", axis)
     size = x.shape[dim] // cp
     start = jax.lax.axis_index(axis) * size
     return jax.lax.dynamic_slice_in_dim(vary(x, (axis,)), start, size, dim)
@@ -299,7 +314,7 @@ def load_balance(x, cp: int, axis: int = 1):
       ``x`` reordered along ``axis``; `restore_order` undoes it.
 
     Raises:
-      ValueError: the length does not split into ``2 * cp`` chunks (one line).
+      ConfigError: the length does not split into ``2 * cp`` chunks (one line).
 
     >>> load_balance(np.arange(8)[None], 2).tolist()
     [[0, 1, 6, 7, 2, 3, 4, 5]]
@@ -379,10 +394,10 @@ def _reorder(x, cp: int, axis: int, *, inverse: bool):
 # ------------------------------------------------------------ one device's program
 
 
-def _local_attention(q, k, v, ids=None, *, strategy, balanced, axis, chunk, whole=False):
+def _local_attention(q, k, v, ids=None, *, strategy, balanced, axis, kernel, whole=False):
     """With ``axis`` manual: this device's queries (segment ``ids``, or None) attending
     to the whole sequence (``whole``: the device holds all of it, as every device
-    along ``axis`` does)."""
+    along ``axis`` does), block by block through ``kernel``."""
     cp = context_size(axis)
     axes = flash.varying(q, k, v, *([] if ids is None else [ids]))
     q, k, v = (vary(x, axes) for x in (q, k, v))
@@ -392,124 +407,165 @@ def _local_attention(q, k, v, ids=None, *, strategy, balanced, axis, chunk, whol
         q, k, v = (restore_order(x, cp) for x in (q, k, v))
         ids = None if ids is None else restore_order(ids, cp)
     q5 = q.reshape(batch, length, k.shape[2], heads // k.shape[2], head_dim)  # B,T,K,G,D
-    total = length if whole else length * cp
-    kind = "whole" if whole else strategy
-    pieces = 1 if whole else 2 * cp if balanced else cp
-    layout = _Layout(kind, total, cp, balanced and not whole, axis,
-                     _chunk_size(total // pieces, chunk))  # fmt: skip
+    plan = _Plan(cp, balanced, axis, kernel)
     kv = (k, v) if ids is None else (k, v, ids)  # a block of keys and their ids
-    if kind == "ring":
-        out = _ring_attention(q5, kv, ids, layout)
-    elif kind == "gather":
-        kv = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in kv)
-        out = _gathered_attention(q5, kv, ids, layout)
+    if whole:
+        out = blocks.causal_block(q5, k, v, None if ids is None else (ids, ids), kernel)
+    elif strategy == "ring":
+        out = _ring_attention(q5, kv, ids, plan)
     else:
-        out = flash.blocked_attention(q5, k, v, None if ids is None else (ids, ids), layout)
+        kv = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in kv)
+        out = _gathered_attention(q5, kv, ids, plan)
     out = out.reshape(q.shape).astype(q.dtype)
     return load_balance(out, cp) if whole and balanced else out
 
 
-def _chunk_size(piece: int, target: int) -> int:
-    """The largest length up to ``target`` that divides ``piece``: a shard's block, or
-    its halves when load balanced, whose positions are consecutive. So are a chunk's,
-    and a pair of chunks is all visible, all hidden, or split by the diagonal."""
-    return max(c for c in range(1, min(piece, target) + 1) if piece % c == 0)
-
-
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Which positions a device's queries and keys hold, and the chunks it works in.
+class _Plan:
+    """What a strategy's custom VJP keeps static: ``cp`` shards along ``axis``, in
+    `load_balance`'s order or not, their blocks computed by ``kernel``."""
 
-    ``kind``: ``"whole"`` (the whole sequence in order on both sides), or for the
-    keys of one shard (a ring hop's, or one shard's of the gathered keys) those of
-    the same shard (``"diagonal"``), an earlier one (``"before"``) or a later one
-    (``"after"``). ``"ring"`` and ``"gather"`` name the strategy before a hop's
-    case is known. A case's mask depends only on which of the three it is, so each
-    is laid out as shards 0 and 1 stand to each other: static positions, and static
-    lists of the pairs of chunks to compute (`replicator.attention.flash`'s layout)."""
-
-    kind: str
-    total: int  # the whole sequence's length
     cp: int
     balanced: bool
     axis: str
-    size: int  # positions per chunk
+    kernel: blocks.Kernel
 
-    def starts(self):
-        """The first position of each chunk of the queries and of the keys."""
-        if self.kind == "whole":
-            rows = cols = np.arange(self.total, dtype=np.int32)
-        else:
-            q_shard, k_shard = {"diagonal": (0, 0), "before": (1, 0), "after": (0, 1)}[self.kind]
-            rows, cols = (
-                context_positions(self.total, self.cp, self.balanced, shard=s)
-                for s in (q_shard, k_shard)
-            )
-        return rows[:: self.size], cols[:: self.size]
 
-    def groups(self) -> list[tuple[np.ndarray, bool]]:
-        """``(pairs [n, 2] of (query chunk, key chunk), causal)``: the pairs whose
-        queries start after their keys (all visible), then those that start together
-        (causal within); those that start before are hidden and left out."""
-        rows, cols = self.starts()
-        after, level = rows[:, None] > cols[None, :], rows[:, None] == cols[None, :]
-        return [
-            (np.argwhere(x).astype(np.int32), causal)
-            for x, causal in ((after, False), (level, True))
-        ]
+def _pieces(case: str, length: int, balanced: bool):
+    """The blocks this shard's ``length`` queries compute against one shard's keys:
+    ``((query start, stop), (key start, stop), causal)`` each.
+
+    ``case``: the keys are this shard's own (``"diagonal"``), an earlier shard's
+    (``"before"``) or a later one's (``"after"``). In order, they are all visible
+    before, hidden after, causal on the diagonal. Load balanced, each shard holds two
+    halves (chunks ``i`` and ``2 CP - 1 - i``): all its queries see the first half of
+    an earlier shard's keys, the second half of its queries all of a later shard's,
+    and on the diagonal each half is causal with itself, the second seeing the first."""
+    every = (0, length)
+    if not balanced:
+        return {"diagonal": [(every, every, True)], "before": [(every, every, False)],
+                "after": []}[case]  # fmt: skip
+    first, second = (0, length // 2), (length // 2, length)
+    return {
+        "diagonal": [(first, first, True), (second, first, False), (second, second, True)],
+        "before": [(every, first, False)],
+        "after": [(second, every, False)],
+    }[case]
+
+
+def _fold_hop(acc, q, kv, ids, case: str, plan: _Plan):
+    """``acc`` (``(out, lse)`` of this shard's queries ``q``) with their attention to
+    one shard's keys and values ``kv`` (and their ids) merged in, a block at a time."""
+    axes = flash.varying(*acc, q, *kv)
+    for rows, cols, causal in _pieces(case, q.shape[1], plan.balanced):
+        segments = None if ids is None else (_part(ids, rows), _part(kv[2], cols))
+        k, v = (_part(x, cols) for x in kv[:2])
+        part = blocks.attend_block(
+            plan.kernel, _part(q, rows), k, v, causal=causal, segments=segments,
+            into=tuple(_part(x, rows) for x in acc),
+        )  # fmt: skip
+        acc = tuple(_put(x, rows, vary(p, axes)) for x, p in zip(acc, part))
+    return tuple(vary(x, axes) for x in acc)
+
+
+def _part(x, span):
+    """Positions ``span`` (start, stop) of ``x``'s sequence (``x`` itself for all)."""
+    start, stop = span
+    return x if (start, stop) == (0, x.shape[1]) else x[:, start:stop]
+
+
+def _put(x, span, value):
+    start, stop = span
+    return value if (start, stop) == (0, x.shape[1]) else x.at[:, start:stop].set(value)
+
+
+def _add(x, span, value):
+    start, stop = span
+    return x + value if (start, stop) == (0, x.shape[1]) else x.at[:, start:stop].add(value)
+
+
+def _pull_hop(q, kv, ids, saved, case: str, plan: _Plan):
+    """The gradients of this shard's queries ``q`` and of one shard's keys and values
+    ``kv`` from the blocks they computed, given ``saved``: the queries' output, its
+    log-sum-exp and the output's cotangent. (Fresh sums, not added to the running
+    ones: a conditional that passed those through failed libtpu's copy insertion.)"""
+    axes = flash.varying(q, *kv, *saved)
+    pieces, every = _pieces(case, q.shape[1], plan.balanced), (0, q.shape[1])
+    alone = [piece[:2] for piece in pieces] == [(every, every)]  # one block, the whole hop
+    grads = None if alone else flash.zero_grads((q, *kv[:2]), *saved)
+    for rows, cols, causal in pieces:
+        segments = None if ids is None else (_part(ids, rows), _part(kv[2], cols))
+        parts = blocks.block_grads(
+            plan.kernel, _part(q, rows), *(_part(x, cols) for x in kv[:2]),
+            *(_part(x, rows) for x in saved), causal=causal, segments=segments,
+        )  # fmt: skip
+        parts = tuple(vary(p, axes) for p in parts)
+        spans = (rows, cols, cols)
+        grads = parts if alone else tuple(_add(g, s, p) for g, s, p in zip(grads, spans, parts))
+    return tuple(vary(x, axes) for x in grads)
+
+
+def _by_case(fn, t, s):
+    """``fn(case)`` for hop ``t`` (the keys of shard ``s - t``): the diagonal's at
+    ``t = 0`` (a Python int), else by whether that shard comes before ``s``."""
+    if isinstance(t, int) and t == 0:
+        return fn("diagonal")
+    # 1 <= t < CP: shard s - t comes before s unless it wrapped round.
+    return jax.lax.cond(t <= s, lambda: fn("before"), lambda: fn("after"))
+
+
+def _empty(q, *others):
+    """``(out, lse)`` of attention to no keys yet: zeros and ``-inf``."""
+    out, lse, _ = flash.empty(q, *others)
+    return out, lse
+
+
+# ------------------------------------------------------------ all-gathered keys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gathered_attention(q, kv_all, ids, layout: _Layout) -> jax.Array:
+def _gathered_attention(q, kv_all, ids, plan: _Plan) -> jax.Array:
     """This shard's ``q [B, T/CP, K, G, D]`` (segment ``ids`` or None) attending to the
     gathered keys and values ``kv_all`` (and their ids; float32 output): shard by
-    shard of the keys, each laid out as a ring hop's (`_by_case`), so that only
-    visible pairs of chunks are computed."""
-    return _gathered_forward(q, kv_all, ids, layout)[0]
+    shard of the keys, as the ring meets them, so that only visible blocks are
+    computed."""
+    return _gathered_forward(q, kv_all, ids, plan)[0]
 
 
-def _segments(ids, kv):
-    """`replicator.attention.flash`'s segments: the queries' ids and those that came with ``kv``."""
-    return None if ids is None else (ids, kv[2])
-
-
-def _source_blocks(fn, carry, kv_all, layout: _Layout):
-    """``carry = fn(carry, j, kv_j, hop)`` over the key shards ``j = s - t`` for
+def _source_blocks(fn, carry, kv_all, plan: _Plan):
+    """``carry = fn(carry, j, kv_j, case)`` over the key shards ``j = s - t`` for
     ``t = 0 .. CP - 1``, as the ring meets them (`_by_case`)."""
-    s, length = jax.lax.axis_index(layout.axis), kv_all[0].shape[1] // layout.cp
+    s, length = jax.lax.axis_index(plan.axis), kv_all[0].shape[1] // plan.cp
 
     def step(carry, t):
-        j = (s - t) % layout.cp
+        j = (s - t) % plan.cp
         kv_j = tuple(jax.lax.dynamic_slice_in_dim(x, j * length, length, 1) for x in kv_all)
-        return _by_case(lambda hop: fn(carry, j, kv_j, hop), t, s, layout)
+        return _by_case(lambda case: fn(carry, j, kv_j, case), t, s)
 
     carry = step(carry, 0)
-    return jax.lax.scan(lambda c, t: (step(c, t), None), carry, jnp.arange(1, layout.cp))[0]
+    return jax.lax.scan(lambda c, t: (step(c, t), None), carry, jnp.arange(1, plan.cp))[0]
 
 
-def _gathered_forward(q, kv_all, ids, layout):
-    def fold(acc, j, kv_j, hop):
-        return flash.fold(acc, q, *kv_j[:2], hop, _segments(ids, kv_j))
+def _gathered_forward(q, kv_all, ids, plan):
+    def fold(acc, j, kv_j, case):
+        return _fold_hop(acc, q, kv_j, ids, case, plan)
 
-    empty = flash.empty(q, *kv_all[:2])
-    out, lse = flash.finish(_source_blocks(fold, empty, kv_all, layout))
+    out, lse = _source_blocks(fold, _empty(q, *kv_all[:2]), kv_all, plan)
     return out, (q, kv_all, ids, out, lse)
 
 
-def _gathered_backward(layout, saved, d_out):
+def _gathered_backward(plan, saved, d_out):
     q, kv_all, ids, out, lse = saved
-    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
-    length = kv_all[0].shape[1] // layout.cp
+    length = kv_all[0].shape[1] // plan.cp
 
-    def pull(grads, j, kv_j, hop):
-        segments = _segments(ids, kv_j)
-        gq, gk, gv = flash.fold_grads(q, d_out, lse, delta, *kv_j[:2], hop, segments)
+    def pull(grads, j, kv_j, case):
         d_q, d_k, d_v = grads
+        g_q, g_k, g_v = _pull_hop(q, kv_j, ids, (out, lse, d_out), case, plan)
         put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=j * length, axis=1)
-        return d_q + gq, put(d_k, gk), put(d_v, gv)
+        return d_q + g_q, put(d_k, g_k), put(d_v, g_v)
 
     zeros = flash.zero_grads((q, *kv_all[:2]), d_out, lse)
-    d_q, d_k, d_v = _source_blocks(pull, zeros, kv_all, layout)
+    d_q, d_k, d_v = _source_blocks(pull, zeros, kv_all, plan)
     d_kv = (d_k.astype(kv_all[0].dtype), d_v.astype(kv_all[1].dtype), *[None] * len(kv_all[2:]))
     return d_q.astype(q.dtype), d_kv, None
 
@@ -518,20 +574,6 @@ _gathered_attention.defvjp(_gathered_forward, _gathered_backward)
 
 
 # ------------------------------------------------------------ the ring
-
-
-def _by_case(fn, t, s, layout: _Layout):
-    """``fn(layout of the hop)`` for hop ``t`` (the keys of shard ``s - t``): the
-    diagonal's at ``t = 0`` (a Python int), else by whether that shard comes before
-    ``s``."""
-
-    def hop(kind):
-        return lambda: fn(dataclasses.replace(layout, kind=kind))
-
-    if isinstance(t, int) and t == 0:
-        return hop("diagonal")()
-    # 1 <= t < CP: shard s - t comes before s unless it wrapped round.
-    return jax.lax.cond(t <= s, hop("before"), hop("after"))
 
 
 def _send(tree, axis: str, cp: int):
@@ -557,40 +599,36 @@ def _ring_loop(step, carry, kv, axis: str, cp: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring_attention(q, kv, ids, layout: _Layout) -> jax.Array:
+def _ring_attention(q, kv, ids, plan: _Plan) -> jax.Array:
     """Ring attention of this shard's ``q [B, T, K, G, D]`` (segment ``ids`` or None)
     to every shard's keys and values ``kv`` (their ids with them); float32 output."""
-    return _ring_forward(q, kv, ids, layout)[0]
+    return _ring_forward(q, kv, ids, plan)[0]
 
 
-def _ring_forward(q, kv, ids, layout):
-    s = jax.lax.axis_index(layout.axis)
+def _ring_forward(q, kv, ids, plan):
+    s = jax.lax.axis_index(plan.axis)
 
     def step(acc, kv, t):
-        fold = lambda hop: flash.fold(acc, q, *kv[:2], hop, _segments(ids, kv))  # noqa: E731
-        return _by_case(fold, t, s, layout)
+        return _by_case(lambda case: _fold_hop(acc, q, kv, ids, case, plan), t, s)
 
-    acc = _ring_loop(step, flash.empty(q, *kv[:2]), kv, layout.axis, layout.cp)
-    out, lse = flash.finish(acc)
+    out, lse = _ring_loop(step, _empty(q, *kv[:2]), kv, plan.axis, plan.cp)
     return out, (q, kv, ids, out, lse)
 
 
-def _ring_backward(layout, saved, d_out):
+def _ring_backward(plan, saved, d_out):
     """The gradients: the key/value blocks go round again, each with the gradient its
     keys and values gathered so far, which a last hop takes home."""
     q, kv, ids, out, lse = saved
-    axis, cp = layout.axis, layout.cp
-    delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
+    axis, cp = plan.axis, plan.cp
     s = jax.lax.axis_index(axis)
 
     def step(carry, kv, t):
         d_q, d_kv = carry
         if not (isinstance(t, int) and t == 0):
             d_kv = _send(d_kv, axis, cp)  # with the block that arrived for this hop
-        segments = _segments(ids, kv)
-        pull = lambda hop: flash.fold_grads(q, d_out, lse, delta, *kv[:2], hop, segments)  # noqa: E731
-        gq, gk, gv = _by_case(pull, t, s, layout)
-        return d_q + gq, (d_kv[0] + gk, d_kv[1] + gv)
+        pull = lambda case: _pull_hop(q, kv, ids, (out, lse, d_out), case, plan)  # noqa: E731
+        g_q, g_k, g_v = _by_case(pull, t, s)
+        return d_q + g_q, (d_kv[0] + g_k, d_kv[1] + g_v)
 
     zeros = flash.zero_grads((q, *kv[:2]), d_out, lse)
     d_q, d_kv = _ring_loop(step, (zeros[0], zeros[1:]), kv, axis, cp)
@@ -605,22 +643,13 @@ _ring_attention.defvjp(_ring_forward, _ring_backward)
 # ------------------------------------------------------------ checks and axes
 
 
-def _batch_axes(mesh, axis: str, batch: int) -> tuple[str, ...]:
-    """The automatic mesh axes the activation rules split the batch over, where it
-    divides over them: the program is manual over those too, so each device works on
-    its own rows (``replicator.parallel.pipelining`` does the same)."""
-    from replicator.parallel.activations import batch_axes
-
-    return batch_axes(mesh, batch, exclude=axis)
-
-
 def _whole_on_every_shard(axis: str, *xs) -> bool:
     """Whether ``xs`` are known to be the same on every device along the manual ``axis``
     (a step under `Replicator.run` whose inputs are not split over it): where JAX
     tracks what varies (``check_vma``), nothing of theirs varies over ``axis``."""
-    if not jax.typeof(jax.lax.axis_index(axis)).manual_axis_type.varying:
+    if not compat.varying_manual_axes(jax.lax.axis_index(axis)):
         return False  # not tracked: the caller's blocks, as documented
-    return not any(axis in jax.typeof(x).manual_axis_type.varying for x in xs)
+    return not any(axis in compat.varying_manual_axes(x) for x in xs)
 
 
 def _split_here(x, axis: str) -> bool:
@@ -628,14 +657,9 @@ def _split_here(x, axis: str) -> bool:
     (it varies over it, as `split_sequence`'s output does)."""
     return (
         context_size(axis) > 1
-        and _is_manual(axis)
-        and axis in jax.typeof(x).manual_axis_type.varying
+        and mesh_axes.is_manual(axis)
+        and axis in compat.varying_manual_axes(x)
     )
-
-
-def _is_manual(axis: str) -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual
 
 
 def _check_inputs(q, k, v, strategy: str, segment_ids) -> None:
@@ -657,11 +681,12 @@ def _check_inputs(q, k, v, strategy: str, segment_ids) -> None:
         )
 
 
-def _check_length(length: int, cp: int, balanced: bool, name: str) -> None:
+def _check_length(length: int, cp: int, balanced: bool, name: str, axis: str = CONTEXT_AXIS):
     chunks = 2 * cp if balanced else cp
     if length % chunks:
-        what = f"2 x {cp} context shards" if balanced else f"{cp} context shards"
-        raise ValueError(
-            f"{name}: a sequence of {length} does not split into {chunks} equal chunks "
-            f"({what}); use a length divisible by {chunks}."
+        two = ", two each (load balanced)" if balanced else ""
+        raise ConfigError(
+            f"{name}: a sequence of {length} tokens does not split into {chunks} equal "
+            f"chunks over mesh axis {axis!r} of {cp}{two}; use a length divisible by "
+            f"{chunks}, or another {axis!r} size."
         )

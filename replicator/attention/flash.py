@@ -1,27 +1,33 @@
-"""Flash attention on one device, a chunk of queries and a chunk of keys at a time.
+"""Flash attention in XLA's operations: a block of queries against a block of keys,
+a chunk of each at a time.
 
-The core of `replicator.attention.context`'s strategies: queries ``[B, Tq, K, G, D]``
-(``K`` key heads, ``G`` queries per key head) attend to keys and values
-``[B, Tk, K, D]`` through one ``[B, c, K, G, c]`` block of float32 scores at a
-time, folded into an online softmax (the running maximum, the sum of
-exponentials and the weighted values, Dao et al.'s flash attention); the
-backward pass recomputes each block's probabilities from the saved log-sum-exp.
+The ``"xla"`` implementation of the kernel interface (`replicator.attention.blocks`):
+queries ``[B, Tq, K, G, D]`` (``K`` key heads, ``G`` queries per key head) attend to
+keys and values ``[B, Tk, K, D]`` through one ``[B, c, K, G, c]`` block of float32
+scores at a time, folded into an online softmax (the running maximum, the sum of
+exponentials and the weighted values, Dao et al.'s flash attention); `attend`
+returns the output and its log-sum-exp, and `block_grads`, given the output and
+log-sum-exp of every block the queries saw (not this block's alone), this block's
+share of the gradients, recomputing its probabilities from them. A chunk as long
+as the block is one plain block of scores.
 
 Which pairs of chunks are computed is static, given by a layout: any hashable
 object with ``size`` (positions per chunk) and ``groups()``, a list of
 ``(pairs [n, 2] of (query chunk, key chunk), causal)``: every pair of a group is
 computed alike, all visible or (``causal``) under the causal triangle of a chunk
-with itself. Pairs left out are not computed at all.
+with itself. Pairs left out are not computed at all. `Chunks` lays out a block
+whose mask is causal (by positions) or none.
 
 Packed documents add segment ids (``(query ids [B, Tq], key ids [B, Tk])``): a
 query sees a key only where their ids are equal, a mask made inside each pair
 from the two chunks' ids. Blocks where nothing is visible cost their compute but
-change nothing: a row with no visible key keeps a weight of zero.
+change nothing: a row with no visible key has an output of zero and a log-sum-exp
+of ``-inf``.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from typing import Any
 
@@ -29,60 +35,93 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from replicator.runtime import compat
 from replicator.spmd.context import vary
 
 _F32 = jnp.float32
 Segments = tuple[jax.Array, jax.Array] | None  # (query ids [B, Tq], key ids [B, Tk])
 
 
-def blocked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments, layout: Any
-) -> jax.Array:
-    """``q [B, Tq, K, G, D]``'s attention to ``k``, ``v`` ``[B, Tk, K, D]``, chunk by
-    chunk over ``layout``'s pairs, with flash attention's backward: no ``[Tq, Tk]``
-    scores in either.
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """A block of ``q_len`` queries and ``k_len`` keys in chunks of ``size``: all visible
+    (``causal=False``), or a query at position ``offset + i`` seeing the keys at
+    positions ``0 .. offset + i`` (the queries start ``offset`` after the keys).
+
+    >>> [(p.tolist(), c) for p, c in Chunks(4, 4, causal=True, offset=0, size=2).groups()]
+    [([[1, 0]], False), ([[0, 0], [1, 1]], True)]
+    """
+
+    q_len: int
+    k_len: int
+    causal: bool
+    offset: int
+    size: int
+
+    def groups(self) -> list[tuple[np.ndarray, bool]]:
+        """``(pairs [n, 2] of (query chunk, key chunk), causal)``: the pairs whose queries
+        start after their keys (all visible), then those that start together (causal
+        within); those that start before are hidden and left out."""
+        rows = self.offset + np.arange(0, self.q_len, self.size)
+        cols = np.arange(0, self.k_len, self.size)
+        if not self.causal:
+            return [(np.argwhere(np.ones((rows.size, cols.size), bool)).astype(np.int32), False)]
+        after, level = rows[:, None] > cols[None, :], rows[:, None] == cols[None, :]
+        return [
+            (np.argwhere(x).astype(np.int32), causal)
+            for x, causal in ((after, False), (level, True))
+        ]
+
+
+def chunks(q_len: int, k_len: int, *, causal: bool, offset: int, target: int) -> Chunks:
+    """`Chunks` of the largest size up to ``target`` that divides both lengths and the
+    offset: every pair of chunks is then all visible, all hidden, or cut by its diagonal.
+
+    >>> chunks(12, 8, causal=False, offset=0, target=512).size
+    4
+    """
+    common = math.gcd(q_len, k_len, offset)
+    size = max(c for c in range(1, min(common, target) + 1) if common % c == 0)
+    return Chunks(q_len, k_len, causal, offset, size)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, layout: Any, segments: Segments = None, into=None
+) -> tuple[jax.Array, jax.Array]:
+    """``q [B, Tq, K, G, D]``'s attention to ``k``, ``v`` ``[B, Tk, K, D]`` over
+    ``layout``'s pairs of chunks: no ``[Tq, Tk]`` scores.
 
     Args:
       q, k, v: queries, keys and values.
-      segments: None, or ``(query ids, key ids)``: a query sees only keys of its id.
       layout: the static pairs of chunks (see the module docstring).
+      segments: None, or ``(query ids, key ids)``: a query sees only keys of its id.
+      into: None, or ``(out, lse)`` of the queries' attention to other keys, which
+        the block is folded into (an online softmax with a sum of one).
 
     Returns:
-      The float32 output shaped like ``q``.
+      ``(out, lse)``: the float32 output shaped like ``q`` and its log-sum-exp
+      ``[B, Tq, K, G]``.
 
-    >>> import dataclasses
-    >>> @dataclasses.dataclass(frozen=True)
-    ... class Whole:  # 4 positions in chunks of 2: pairs (1, 0) visible, (0, 0) (1, 1) causal
-    ...     size: int = 2
-    ...     def groups(self):
-    ...         return [(np.array([[1, 0]]), False), (np.array([[0, 0], [1, 1]]), True)]
     >>> x = jax.random.normal(jax.random.key(0), (1, 4, 1, 1, 8))
-    >>> y = blocked_attention(x, x[:, :, :, 0], x[:, :, :, 0], None, Whole())
+    >>> out, lse = attend(x, x[:, :, :, 0], x[:, :, :, 0], Chunks(4, 4, True, 0, 2))
     >>> plain = jax.nn.dot_product_attention(x[:, :, 0], x[:, :, 0], x[:, :, 0], is_causal=True)
-    >>> bool(jnp.allclose(y[:, :, 0], plain, atol=1e-6))
+    >>> bool(jnp.allclose(out[:, :, 0], plain, atol=1e-6))
     True
     """
-    return _blocked(q, k, v, segments, layout)
+    if into is None:
+        return finish(fold(empty(q, k, v), q, k, v, layout, segments))
+    out, lse = into
+    return finish(fold((out, lse, jnp.ones_like(lse)), q, k, v, layout, segments))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blocked(q, k, v, segments, layout):
-    return _blocked_forward(q, k, v, segments, layout)[0]
-
-
-def _blocked_forward(q, k, v, segments, layout):
-    out, lse = finish(fold(empty(q, k, v), q, k, v, layout, segments))
-    return out, (q, k, v, segments, out, lse)
-
-
-def _blocked_backward(layout, saved, d_out):
-    q, k, v, segments, out, lse = saved
+def block_grads(
+    q, k, v, out, lse, d_out, layout: Any, segments: Segments = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Flash attention's backward over ``layout``'s pairs of chunks: float32 gradients of
+    ``q``, ``k`` and ``v``, given the output ``out``, its log-sum-exp ``lse`` (over
+    every key the queries saw) and the output's cotangent ``d_out``."""
     delta = jnp.sum(d_out * out, axis=-1)  # rowsum(dO * O), flash attention's D
-    grads = fold_grads(q, d_out, lse, delta, k, v, layout, segments)
-    return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v))), None)
-
-
-_blocked.defvjp(_blocked_forward, _blocked_backward)
+    return fold_grads(q, d_out, lse, delta, k, v, layout, segments)
 
 
 def pair_loop(layout: Any, compute, carry):
@@ -177,9 +216,11 @@ def empty(q, *others):
 
 
 def finish(acc):
-    """A finished online softmax ``(o, m, l)``'s output and log-sum-exp."""
+    """A finished online softmax ``(o, m, l)``'s output and log-sum-exp (a row that saw
+    nothing: zeros and ``-inf``)."""
     o, m, total = acc
-    return o / total[..., None], m + jnp.log(total)
+    seen = total > 0
+    return o / jnp.where(seen, total, 1.0)[..., None], jnp.where(seen, m + jnp.log(total), -jnp.inf)
 
 
 def zero_grads(xs, *others):
@@ -191,7 +232,7 @@ def zero_grads(xs, *others):
 
 def varying(*xs) -> tuple[str, ...]:
     """The manual mesh axes any of ``xs`` varies over (JAX's ``check_vma`` types)."""
-    return tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))))
+    return tuple(sorted(set().union(*(compat.varying_manual_axes(x) for x in xs))))
 
 
 def _scores(q, k, mask):

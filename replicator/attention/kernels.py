@@ -1,4 +1,8 @@
-"""Causal attention through each backend's fused kernel.
+"""Causal attention of a whole sequence through each backend's fused kernel.
+
+(A sequence split over the mesh axis ``context`` runs block by block through the
+kernel interface, `replicator.attention.blocks`, which picks its blocks' kernel the
+same way: splash on TPU, XLA's elsewhere.)
 
 `causal_attention` is multi-head causal self-attention, ``softmax(q k^T / sqrt(D)) v``
 over ``[batch, time, heads, head_dim]`` inputs, computed by:
@@ -7,7 +11,7 @@ over ``[batch, time, heads, head_dim]`` inputs, computed by:
   works on blocks of the ``[time, time]`` scores in VMEM, never writes the scores
   or probabilities to HBM, and skips the blocks above the diagonal (the causal
   half). On a CPU it runs in Pallas's interpreter: slow, but the same program,
-  so its numbers can be checked anywhere.
+  so its numbers can be checked anywhere (`replicator.attention.splash`).
 * ``"cudnn"``: cuDNN's fused kernel through `jax.nn.dot_product_attention` on GPU.
 * ``"xla"``: `jax.nn.dot_product_attention`'s XLA version: any backend.
 * ``"auto"``: splash on TPU where the sequence splits into blocks of 128 (in the
@@ -35,6 +39,7 @@ still, but that bias lives in memory, ``2 * time**2`` bytes per sequence in 16 b
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -42,8 +47,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from replicator.attention import splash
+
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
-_SPLASH_BLOCKS = (512, 256, 128)
 
 
 def causal_attention(
@@ -101,7 +107,7 @@ def choose_implementation(
     """
     if requested not in IMPLEMENTATIONS:
         raise ValueError(f"attention={requested!r}: use one of {IMPLEMENTATIONS}.")
-    if requested == "splash" and _splash_block(shape[1]) is None:
+    if requested == "splash" and splash.block_size(shape[1]) is None:
         raise ValueError(
             f"attention='splash' needs a sequence length that is a multiple of 128, not "
             f"{shape[1]}; use attention='auto' (XLA for such lengths)."
@@ -117,7 +123,7 @@ def choose_implementation(
         return requested
     platform = target_platform()
     head_dim = shape[-1]
-    if platform == "tpu" and _splash_block(shape[1]) is not None and not per_replica:
+    if platform == "tpu" and splash.block_size(shape[1]) is not None and not per_replica:
         return "splash"
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     # cuDNN takes segment ids as a bias, whose backward pass needs an even length.
@@ -145,10 +151,6 @@ def _inside_run() -> bool:
     return not mesh.empty and any(kind == AxisType.Manual for kind in mesh.axis_types)
 
 
-def _splash_block(length: int) -> int | None:
-    return next((b for b in _SPLASH_BLOCKS if length % b == 0), None)
-
-
 def _check_segment_ids(segment_ids: jax.Array, shape: tuple[int, ...]) -> None:
     integers = jnp.issubdtype(segment_ids.dtype, jnp.integer)
     if segment_ids.shape != tuple(shape[:2]) or not integers:
@@ -168,20 +170,22 @@ def _splash_attention(
     splits automatically (none left: called directly)."""
     batch, _, heads, _ = q_BxTxHxD.shape
     mesh = jax.sharding.get_abstract_mesh()
-    batch_axes, head_axes = _kernel_axes(mesh, batch, heads)
+    batch_axes, head_axes = kernel_axes(mesh, batch, heads)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BxTxHxD, k_BxTxHxD, v_BxTxHxD))  # BxHxTxD
     args = (q, k, v)
     if segment_ids_BxT is not None:
         _check_segment_ids(segment_ids_BxT, q_BxTxHxD.shape)
         args += (segment_ids_BxT.astype(jnp.int32),)
+    interpret = jax.default_backend() != "tpu" and target_platform() != "tpu"
+    local = functools.partial(splash.whole_sequence, interpret=interpret)
     auto = _auto_axes(mesh)
     if not auto:  # every axis manual already (inside run, or no mesh)
-        return jnp.swapaxes(_splash_local(*args), 1, 2)
+        return jnp.swapaxes(local(*args), 1, 2)
     # A Mosaic kernel is never partitioned by XLA: manual over every automatic axis,
     # split over those the batch and heads divide by, the rest replicated.
     spec = P(batch_axes or None, head_axes or None, None, None)
     sharded = jax.shard_map(
-        _splash_local,
+        local,
         mesh=mesh,
         in_specs=(spec,) * 3 + (P(batch_axes or None, None),) * (len(args) - 3),
         out_specs=spec,
@@ -191,9 +195,19 @@ def _splash_attention(
     return jnp.swapaxes(sharded(*args), 1, 2)
 
 
-def _kernel_axes(mesh, batch: int, heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The automatic mesh axes the kernel's batch and heads split over: the activation
-    rules' (``activation_batch``, ``activation_heads``), those that divide."""
+def kernel_axes(mesh, batch: int, heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The automatic mesh axes a Pallas kernel's batch and heads split over (its
+    ``shard_map`` is manual over them): the activation rules' (``activation_batch``,
+    ``activation_heads``), where the sizes divide over them.
+
+    Args:
+      mesh: the mesh being traced for.
+      batch: the size of the batch dimension.
+      heads: the number of heads (of keys and values, where fewer than the queries').
+
+    Returns:
+      ``(batch axes, head axes)``, no axis in both.
+    """
     from replicator.parallel.activations import current_axes
 
     auto = {name for name in _auto_axes(mesh) if mesh.shape[name] > 1}
@@ -211,37 +225,3 @@ def _auto_axes(mesh) -> tuple[str, ...]:
     if mesh.empty:
         return ()
     return tuple(n for n, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Auto)
-
-
-def _splash_local(
-    q_BxHxTxD: jax.Array,
-    k_BxHxTxD: jax.Array,
-    v_BxHxTxD: jax.Array,
-    segment_ids_BxT: jax.Array | None = None,
-):
-    """One device's splash attention over its whole batch and heads."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    _, heads, length, head_dim = q_BxHxTxD.shape
-    block = _splash_block(length)
-    sizes = splash.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block,
-        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        block_q_dq=block, block_kv_dq=block,
-    )  # fmt: skip
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
-    kernel = splash.make_splash_mha(
-        mask,
-        block_sizes=sizes,
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=jax.default_backend() != "tpu" and target_platform() != "tpu",
-    )
-    q = q_BxHxTxD * jnp.asarray(1 / math.sqrt(head_dim), q_BxHxTxD.dtype)
-    if segment_ids_BxT is None:
-        return jax.vmap(kernel)(q, k_BxHxTxD, v_BxHxTxD).astype(q_BxHxTxD.dtype)
-    segments = splash.SegmentIds(q=segment_ids_BxT, kv=segment_ids_BxT)
-    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
-        q, k_BxHxTxD, v_BxHxTxD, segments
-    )
-    return out.astype(q_BxHxTxD.dtype)

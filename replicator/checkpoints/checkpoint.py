@@ -46,7 +46,7 @@ from orbax.checkpoint.future import CommitFutureAwaitingContractedSignals
 
 from replicator import storage
 from replicator.checkpoints import files as checkpoint_files
-from replicator.checkpoints.files import storage_errors
+from replicator.checkpoints.files import save_errors, storage_errors
 from replicator.errors import CheckpointMismatchError as CheckpointMismatchError
 from replicator.errors import CheckpointNotFoundError as CheckpointNotFoundError
 from replicator.errors import CorruptCheckpointError as CorruptCheckpointError
@@ -156,7 +156,7 @@ class Checkpoints:
             # exit Python refuses the thread-pool work Orbax's writer still needs.
             # Hooks registered here run before that pool shuts down (atexit's run
             # after), so the last save completes.
-            threading._register_atexit(_finish_saving, weakref.ref(self._manager))
+            compat.at_thread_shutdown(_finish_saving, weakref.ref(self._manager))
 
     def __repr__(self) -> str:
         return f"Checkpoints({self.directory!r}, steps {self.all_steps()})"
@@ -243,7 +243,7 @@ class Checkpoints:
             self._before_commit.pending = (before_commit, returned)
             items["before_commit"] = ocp.args.JsonSave({})  # written by the handler
         try:
-            with storage_errors(f"save checkpoint {step} in", self.directory):
+            with save_errors(f"save checkpoint {step} in", self.directory):
                 self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics,
                                    force=True)  # fmt: skip
         finally:
@@ -252,18 +252,18 @@ class Checkpoints:
     def wait(self) -> None:
         """Blocks until the save in flight is finalized; raises its error if it failed (a
         storage failure as a `StorageError`; an outage, a `StorageUnavailableError`)."""
-        with storage_errors("save a checkpoint in", self.directory):
+        with save_errors("save a checkpoint in", self.directory):
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
 
     def check_for_errors(self) -> None:
         """Raises the error of a failed background save, if any, without waiting."""
-        with storage_errors("save a checkpoint in", self.directory):
+        with save_errors("save a checkpoint in", self.directory):
             self._manager.check_for_errors()
 
     def close(self) -> None:
         """Waits for the save in flight, then releases the manager."""
-        with storage_errors("save a checkpoint in", self.directory):
+        with save_errors("save a checkpoint in", self.directory):
             self._manager.wait_until_finished()
         self._manager.close()
 
@@ -505,9 +505,9 @@ def _restore_target(like: PyTree, repl: Replicator) -> PyTree:
             if rows != repl.num_replicas:
                 raise CheckpointMismatchError(
                     f"{_path_str(path)} is a per-replica value with {rows} rows, but this "
-                    f"Replicator has {repl.num_replicas} replicas. A per-replica value "
+                    f"Replicator has {_replicas(repl.num_replicas)}. A per-replica value "
                     f"restores only onto as many replicas as saved it: restore it onto "
-                    f"{rows} replicas, or reduce it before saving."
+                    f"{_replicas(rows)}, or reduce it before saving."
                 )
             sharding = sharding_for(Kind.PER_REPLICA, repl.mesh)
         else:
@@ -531,6 +531,11 @@ def _restore_target(like: PyTree, repl: Replicator) -> PyTree:
 def _listed(lines: list[str], limit: int = 10) -> str:
     more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
     return "\n  ".join(lines[:limit]) + more
+
+
+def _replicas(n: int | None) -> str:
+    """``"1 replica"``, ``"8 replicas"``."""
+    return f"{n} replica{'' if n == 1 else 's'}"
 
 
 def _is_marked(x: Any) -> bool:
@@ -570,7 +575,7 @@ class _BeforeCommitHandler(ocp.JsonCheckpointHandler):
     async def async_save(self, directory: epath.Path, item=None, args=None):
         fn, returned = self.pending
         self.pending = None
-        write = super()._save_fn
+        write = compat.orbax_json_write(self)
 
         async def call() -> None:
             # Not while `save` still blocks its caller: the callable (an upload) would

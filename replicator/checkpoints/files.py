@@ -11,7 +11,9 @@ needs of that directory besides:
 * `storage_errors`: what Orbax raises when the storage fails (its gcsfs calls,
   tensorstore's reads and writes, a save's ``before_commit``) becomes the
   one-line `StorageError` it stands for, a `StorageUnavailableError` for an
-  outage; every other error stays as it is;
+  outage; every other error stays as it is; `save_errors`, for a save, also
+  makes any other answer of the storage service one line (a save never ends
+  in a traceback for what the bucket said);
 * `move_aside` and `unfinished_steps`: a step that must make way (saved again,
   unreadable, a save cut short by a kill or an outage) moves to
   ``<directory>.<reason>/<step>``, never deleted.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
+import traceback
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -63,6 +67,62 @@ def storage_errors(what: str, directory: str) -> Iterator[None]:
         if error is None or error is e:
             raise
         raise type(error)(str(error)) from e
+
+
+@contextlib.contextmanager
+def save_errors(what: str, directory: str) -> Iterator[None]:
+    """`storage_errors` for a save, and besides: any other answer of the storage service
+    (an HTTP status that gcsfs or tensorstore reports, which no rule above expects) as
+    a `StorageUnavailableError`, one line. The save was not committed, so nothing is
+    lost: the previous checkpoint stands, and a rerun resumes from it. (A lost answer
+    retried, say, draws a 404 or a 410 from a server that finished the upload.)
+
+    Example::
+
+      with save_errors("save checkpoint 80 in", directory):
+          manager.wait_until_finished()
+    """
+    try:
+        with storage_errors(what, directory):
+            yield
+    except storage.StorageError:
+        raise
+    except Exception as e:
+        answer = _storage_answer(e, directory) if storage.is_remote(directory) else None
+        if answer is None:
+            raise
+        raise storage.StorageUnavailableError(
+            f"cannot {what} {directory}: the storage service gave an answer a save does not "
+            f"expect ({type(answer).__name__}: {_first_line(answer)})"
+        ) from e
+
+
+def _storage_answer(error: BaseException, directory: str) -> BaseException | None:
+    """The error in ``error``'s chain that is the storage service's answer, if any:
+    gcsfs's (its HTTP errors; an OSError it raised for a status), or tensorstore's
+    about the bucket of ``directory`` (a ValueError naming it, with tensorstore's spec)."""
+    bucket = f"gs://{storage.bucket_of(directory)}/"
+    for e in storage.causes(error):
+        if type(e).__module__.split(".")[0] == "gcsfs" or (
+            isinstance(e, OSError) and _raised_in(e, ("gcsfs", "aiohttp"))
+        ):
+            return e
+        if isinstance(e, ValueError) and "tensorstore_spec=" in str(e) and bucket in str(e):
+            return e
+    return None
+
+
+def _raised_in(error: BaseException, packages: tuple[str, ...]) -> bool:
+    """Whether ``error`` was raised by code of one of ``packages``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and any(f"/{p}/" in frames[-1].filename for p in packages)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line, without tensorstore's spec dump (which says nothing to a
+    reader), at most 300 characters."""
+    lines = str(error).strip().splitlines()
+    return re.split(r"\s*\[tensorstore_spec=", lines[0])[0].rstrip(" :;,")[:300] if lines else ""
 
 
 def move_aside(directory: str, step: int, reason: str) -> str:

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from replicator.parallel.sharding import DEFAULT_RULES, Rule, _as_axes, _names_mesh_axes
+from replicator.parallel import axes as mesh_axes
+from replicator.parallel.sharding_rules import DEFAULT_RULES, Rule, as_axes, is_logical_rule
 
 ACTIVATION_RULES: tuple[Rule, ...] = (
     ("activation_batch", ("data", "fsdp", "expert")),
@@ -81,7 +81,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
             f"constrain: {len(names)} names {tuple(names)} for a {np.ndim(x)}-d value."
         )
     # Axes a shard_map made manual (a pipeline's, `replicator.parallel.pipelining`) split x already.
-    taken = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto}
+    taken = set(mesh.axis_names) - set(mesh_axes.auto_axes(mesh))
     parts = []
     for size, name in zip(np.shape(x), names):
         axes = _rule_axes(name, rules)
@@ -108,22 +108,32 @@ def current_axes(name: str) -> tuple[str, ...]:
     return _rule_axes(name, ACTIVATION_RULES if rules is None else rules)
 
 
-def batch_axes(mesh, rows: int, exclude: str) -> tuple[str, ...]:
-    """The automatic mesh axes the rules split the batch over (`current_axes` of
-    ``activation_batch``: ``data``, ``fsdp``, ``expert``) but ``exclude``, if ``rows`` divides over
-    them all (else none): the axes a library program (`replicator.parallel.pipelining`,
+def batch_axes(mesh, rows: int, exclude: str | None = None) -> tuple[str, ...]:
+    """The axes a library program (`replicator.parallel.pipelining`,
     `replicator.attention.context`) goes manual over beside its own, so that each
-    device works on its own rows."""
-    auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
-    axes = tuple(
-        a for a in current_axes("activation_batch")
-        if a in auto and a != exclude and mesh.shape[a] > 1
-    )  # fmt: skip
-    return axes if rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+    device works on its own of ``rows`` rows: of the axes the rules split the batch
+    over (`current_axes` of ``activation_batch``: ``data``, ``fsdp``, ``expert``) but
+    ``exclude``, those `replicator.parallel.axes.split_over` keeps (automatic, above 1,
+    as many as ``rows`` divides over, in order).
+
+    Args:
+      mesh: the mesh being traced for.
+      rows: the size of the batch dimension to split.
+      exclude: the program's own axis, never a batch axis here.
+
+    Returns:
+      The batch axes, in the rules' order.
+
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
+    >>> batch_axes(mesh, 8), batch_axes(mesh, 6), batch_axes(mesh, 8, exclude="data")
+    (('data', 'fsdp'), ('data',), ('fsdp',))
+    """
+    names = (a for a in current_axes("activation_batch") if a != exclude)
+    return mesh_axes.split_over(mesh, tuple(names), rows)
 
 
 def _rule_axes(name: str | None, rules: Sequence[Rule]) -> tuple[str, ...]:
     for key, target in rules:
-        if key == name and _names_mesh_axes(key, target):
-            return _as_axes(target)
+        if key == name and is_logical_rule(key, target):
+            return as_axes(target)
     return ()

@@ -375,7 +375,7 @@ def _apply_outer(outer_tx, delta, mine, theirs, state, mix):
 def _typed_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """``x`` in ``like``'s dtype, varying over the axes ``like`` varies over (so that
     both branches of a sync's ``cond`` have one type)."""
-    return vary(x.astype(like.dtype), tuple(jax.typeof(like).manual_axis_type.varying))
+    return vary(x.astype(like.dtype), tuple(compat.varying_manual_axes(like)))
 
 
 def fragment_leaves(params: PyTree, fragments: int) -> list[list[int]]:

@@ -4,23 +4,39 @@
 stacked ``[E, ...]``; each token goes to ``k`` of them (Switch, GShard, Mixtral):
 
 * **Router.** ``logits = x @ router`` (in float32), ``probs = softmax(logits)``;
-  the ``k`` largest probabilities pick the experts, and their gates are those
-  probabilities renormalised to sum to 1 over the ``k`` (Mixtral's and MaxText's
-  convention; ``normalize_gates=False`` keeps the raw probabilities, Switch's
-  convention for ``k = 1``, where renormalising would make every gate 1).
+  the ``k`` largest probabilities pick the experts. ``routing`` names how the
+  gates, the capacity queues and the balancing loss follow from them (`ROUTINGS`):
+
+  - ``"switch"`` (``k = 1``; the default there): the gate is the chosen expert's
+    router probability, unnormalised, so the router learns from the main loss
+    (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961, section 2.1:
+    ``y = p_i(x) E_i(x)``).
+  - ``"gshard"`` (``k >= 2``): the ``k`` gates renormalised to sum to 1 before
+    any drop; every token's first choice queues for capacity before any token's
+    second (then third ...); the balancing loss counts first choices only (GShard,
+    Lepikhin et al. 2020, arXiv:2006.16668, section 2.2, Algorithm 1, for ``k = 2``;
+    flaxformer's priority by rank for larger ``k``). Every second choice within
+    capacity is kept: GShard's random dispatch of the second expert is not done.
+  - ``"mixtral"`` (any ``k``; the default for ``k >= 2``): the ``k`` gates
+    renormalised to sum to 1 (Mixtral, Jiang et al. 2024, arXiv:2401.04088,
+    section 2.1: a softmax over the top-``k`` logits); a token's ``k`` choices
+    queue together, earlier tokens first (MaxText); the balancing loss counts every
+    pair. With ``k = 1`` every gate is 1 and the router learns only from the
+    auxiliary losses.
 * **Capacity.** Each expert takes at most ``C = ceil(capacity_factor * S * k / E)``
   tokens of each sequence of length ``S`` (MaxText's per-sequence capacity, so
   which tokens drop never depends on how the batch is sharded). The token-choice
-  pairs of a sequence queue in position order, a token's ``k`` choices together,
-  earlier tokens first (MaxText's ``generate_masks``); those past ``C`` are
-  dropped: their share of the output is 0 (the caller's residual carries them).
+  pairs of a sequence queue in position order, as ``routing`` says; those past ``C``
+  are dropped: their share of the output is 0 (the caller's residual carries them).
   ``capacity_factor >= E / k`` drops nothing; ``capacity_factor=None`` routes
   without any capacity (dropless, with `jax.lax.ragged_dot`, every expert local).
-* **Auxiliary losses** (`MoEAux`), over the tokens of the call: Switch's
-  load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the fraction of the
-  token-choice pairs routed to expert ``e`` before any drop, so the ``f_e`` sum to
-  1; ``P_e``: the mean router probability of ``e``), 1 when balanced; the router
-  z-loss ``mean(logsumexp(logits) ** 2)`` (ST-MoE); and the fraction of pairs dropped.
+* **Auxiliary losses** (`MoEAux`), over the tokens of the call: the load-balancing
+  loss ``E * sum_e f_e * P_e`` (Switch's section 2.2, eq. 4, without its ``alpha``; GShard's
+  ``l_aux`` times ``E ** 2``): ``f_e`` the fraction of the counted token-choice
+  pairs (every pair, or first choices under ``"gshard"``) routed to expert ``e``
+  before any drop, so the ``f_e`` sum to 1, and ``P_e`` the mean router
+  probability of ``e``; 1 when balanced. The router z-loss
+  ``mean(logsumexp(logits) ** 2)`` (ST-MoE); and the fraction of pairs dropped.
 
 With a mesh axis ``expert`` of size ``X``, each device holds ``E / X`` experts'
 weights (the logical axis ``'exp'``, rule ``('exp', 'expert')``) and the tokens
@@ -47,10 +63,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from replicator.errors import ConfigError
+from replicator.parallel import axes as mesh_axes
+from replicator.parallel.activations import current_axes
 from replicator.spmd.context import get_replica_context, vary, varying_axes
 
 EXPERT_AXIS = "expert"
@@ -63,8 +80,9 @@ class MoEAux(NamedTuple):
     """What a mixture-of-experts layer reports besides its output (scalars, float32).
 
     Attributes:
-      load_balance_loss: Switch's ``E * sum_e f_e * P_e``; 1 when the load is even.
-        Add ``~1e-2`` times it to the training loss.
+      load_balance_loss: ``E * sum_e f_e * P_e`` (Switch's; GShard's ``l_aux`` times
+        ``E ** 2``, its ``f_e`` over first choices); 1 when the load is even. Add
+        ``~1e-2`` times it to the training loss.
       router_z_loss: ``mean(logsumexp(logits) ** 2)`` over the tokens (ST-MoE);
         add ``~1e-3`` times it to keep the router's logits small.
       dropped_fraction: the fraction of the token-choice pairs over capacity, in [0, 1].
@@ -104,12 +122,64 @@ def expert_capacity(
     return max(1, math.ceil(round(capacity_factor * tokens * experts_per_token / num_experts, 6)))
 
 
+ROUTINGS = ("switch", "gshard", "mixtral")  # the conventions `route` follows (module docstring)
+
+
+class _Convention(NamedTuple):
+    normalize: bool  # a token's k gates renormalised to sum to 1
+    by_rank: bool  # capacity queues: every first choice before any second (else token by token)
+    first_only: bool  # the balancing loss's f_e counts first choices only (else every pair)
+
+
+_CONVENTIONS = {
+    "switch": _Convention(normalize=False, by_rank=False, first_only=False),
+    "gshard": _Convention(normalize=True, by_rank=True, first_only=True),
+    "mixtral": _Convention(normalize=True, by_rank=False, first_only=False),
+}
+
+
+def resolve_routing(routing: str | None, experts_per_token: int, key: str = "routing") -> str:
+    """The routing convention (one of `ROUTINGS`) that ``routing`` names for ``k`` experts a token.
+
+    Args:
+      routing: ``"switch"``, ``"gshard"``, ``"mixtral"``, or None: ``"switch"`` for
+        ``k = 1``, ``"mixtral"`` above.
+      experts_per_token: ``k``.
+      key: the name the error messages give ``routing`` (a config key, say).
+
+    Returns:
+      The convention's name.
+
+    Raises:
+      ConfigError: an unknown name, ``"switch"`` with ``k > 1`` or ``"gshard"`` with
+        ``k = 1`` (each one line).
+
+    >>> resolve_routing(None, 1), resolve_routing(None, 2)
+    ('switch', 'mixtral')
+    """
+    if routing is None:
+        return "switch" if experts_per_token == 1 else "mixtral"
+    if routing not in ROUTINGS:
+        raise ConfigError(f"moe: {key}={routing!r}: use one of {ROUTINGS}, or None.")
+    if routing == "switch" and experts_per_token != 1:
+        raise ConfigError(
+            f"moe: {key}='switch' sends each token to one expert, not "
+            f"experts_per_token={experts_per_token}: use 'gshard' or 'mixtral'."
+        )
+    if routing == "gshard" and experts_per_token == 1:
+        raise ConfigError(
+            f"moe: {key}='gshard' is top-2 routing; with experts_per_token=1 its one gate "
+            "would always be 1: use 'switch' (the gate is the router's probability)."
+        )
+    return routing
+
+
 def route(
     logits_BxSxE: jax.Array,
     *,
     experts_per_token: int,
     capacity: int | None,
-    normalize_gates: bool = True,
+    routing: str | None = None,
     batch_axes: tuple[str, ...] = (),
     token_order: Any = None,
 ) -> Routing:
@@ -119,8 +189,10 @@ def route(
       logits_BxSxE: the router's logits for each token of each sequence.
       experts_per_token: ``k``.
       capacity: ``C``, how many token-choice pairs each expert takes per sequence
-        (pairs queue by position, earlier tokens first); None: no limit.
-      normalize_gates: renormalise the ``k`` gates of a token to sum to 1.
+        (pairs queue by position, earlier tokens first, in the order ``routing``
+        says); None: no limit.
+      routing: the convention, one of `ROUTINGS` (the module docstring says each),
+        or None: ``"switch"`` for ``k = 1``, ``"mixtral"`` above.
       batch_axes: inside a ``shard_map``, the manual mesh axes the batch is split
         over: the auxiliary values then cover the tokens of every device of them.
         Under `Replicator.run` the replica axes the logits vary over are added: the
@@ -137,29 +209,27 @@ def route(
     >>> r = jax.jit(lambda z: route(z, experts_per_token=1, capacity=1))(logits)
     >>> r.experts[0, :, 0].tolist(), r.slots[0, :, 0].tolist()  # token 1 over capacity
     ([0, 0, 1], [0, 2, 1])
-    >>> round(float(r.aux.dropped_fraction), 4)
-    0.3333
+    >>> round(float(r.aux.dropped_fraction), 4), round(float(r.gates[0, 0, 0]), 4)  # Switch's
+    (0.3333, 0.8808)
     """
     logits = logits_BxSxE.astype(jnp.float32)
     B, S, E = logits.shape
     k = experts_per_token
+    convention = _CONVENTIONS[resolve_routing(routing, k)]
     probs = jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, k)
-    if normalize_gates:
+    if convention.normalize:  # before any drop: a kept gate keeps its share
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, S, k, E]
     slots, kept = None, jnp.ones((), jnp.float32) * (B * S * k)
     if capacity is not None:
         order = _checked_order(token_order, S)
-        in_order = chosen if order is None else chosen[:, np.argsort(order)]
-        queue = in_order.reshape(B, S * k, E)  # position-major: token s's choices before s + 1's
-        position = jnp.sum((jnp.cumsum(queue, axis=1) - 1) * queue, axis=-1).reshape(B, S, k)
-        if order is not None:
-            position = position[:, order]  # back to where the tokens are stored
+        position = _queue_positions(chosen, convention.by_rank, order)
         slots = jnp.where(position < capacity, experts * capacity + position, E * capacity)
         slots, kept = slots.astype(jnp.int32), jnp.sum(position < capacity, dtype=jnp.float32)
+    counted = chosen[:, :, :1] if convention.first_only else chosen  # the pairs f_e counts
     sums = (
-        jnp.sum(chosen, axis=(0, 1, 2), dtype=jnp.float32),  # pairs per expert
+        jnp.sum(counted, axis=(0, 1, 2), dtype=jnp.float32),  # counted pairs per expert
         jnp.sum(probs, axis=(0, 1)),
         jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
         kept,
@@ -175,9 +245,27 @@ def route(
     mesh = jax.sharding.get_abstract_mesh()
     tokens = B * S * math.prod(mesh.shape[a] for a in axes)
     pairs, prob, z_loss, kept = sums
-    balance = E * jnp.sum(pairs / (tokens * k) * prob / tokens)  # f_e sums to 1 over e
+    balance = E * jnp.sum(pairs / (tokens * counted.shape[2]) * prob / tokens)  # sum_e f_e = 1
     aux = MoEAux(balance, z_loss / tokens, 1.0 - kept / (tokens * k))
     return Routing(experts, gates, slots, aux)
+
+
+def _queue_positions(chosen_BxSxkxE: jax.Array, by_rank: bool, order) -> jax.Array:
+    """``[B, S, k]``: each token-choice pair's place in its expert's queue of its sequence.
+
+    The queue follows the positions (``order``: each stored token's, None: in order);
+    a token's ``k`` choices queue together, or (``by_rank``) every token's first
+    choice before any token's second, and so on."""
+    B, S, k, E = chosen_BxSxkxE.shape
+    queue = chosen_BxSxkxE if order is None else chosen_BxSxkxE[:, np.argsort(order)]
+    if by_rank:
+        queue = jnp.swapaxes(queue, 1, 2)  # [B, k, S, E]
+    queue = queue.reshape(B, S * k, E)
+    position = jnp.sum((jnp.cumsum(queue, axis=1) - 1) * queue, axis=-1)
+    if by_rank:
+        position = jnp.swapaxes(position.reshape(B, k, S), 1, 2)
+    position = position.reshape(B, S, k)
+    return position if order is None else position[:, order]  # back to where tokens are stored
 
 
 def moe_layer(
@@ -188,7 +276,7 @@ def moe_layer(
     experts_per_token: int,
     capacity_factor: float | None = 1.25,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-    normalize_gates: bool = True,
+    routing: str | None = None,
     axis: str = EXPERT_AXIS,
     token_order: Any = None,
 ) -> tuple[jax.Array, MoEAux]:
@@ -209,7 +297,9 @@ def moe_layer(
         a sequence. None: dropless (every expert must be local: no ``axis`` above 1
         unless the weights are whole inside a ``shard_map``).
       activation: the MLP's nonlinearity.
-      normalize_gates: renormalise a token's ``k`` gates to sum to 1.
+      routing: the routing convention, one of `ROUTINGS` (gates, capacity queues,
+        balancing loss: the module docstring), or None: ``"switch"`` for ``k = 1``
+        (the gate is the router's probability), ``"mixtral"`` above.
       axis: the mesh axis the experts are split over.
       token_order: where each token of a sequence stands in it, if not in order
         (`route`'s ``token_order``).
@@ -221,7 +311,8 @@ def moe_layer(
 
     Raises:
       ValueError: ``E`` not divisible by the size of ``axis``, ``k`` not in ``[1, E]``,
-        a capacity factor <= 0, dropless routing over split experts, or parameters
+        a capacity factor <= 0, a ``routing`` that is not one of `ROUTINGS` or does
+        not take ``k`` experts, dropless routing over split experts, or parameters
         whose shapes disagree with ``E`` (each one line).
 
     >>> params = init_moe_params(jax.random.key(0), embed_dim=4, mlp_dim=8, num_experts=4)
@@ -232,26 +323,18 @@ def moe_layer(
     >>> y.shape, round(float(aux.dropped_fraction), 4)  # each of which takes 2 of them
     ((2, 3, 4), 0.3333)
     """
-    shards = expert_shards(axis)
+    shards = mesh_axes.size(axis)
     _check(params, num_experts, experts_per_token, capacity_factor, shards, axis)
     x_BxSxd = x.reshape(-1, *x.shape[-2:])
-    capacity = None
-    if capacity_factor is not None:
-        capacity = expert_capacity(
-            x_BxSxd.shape[1], num_experts, experts_per_token, capacity_factor
-        )
-    split = shards > 1 and not _is_manual(axis)  # this call goes manual over ``axis``
+    capacity = None if capacity_factor is None else expert_capacity(
+        x_BxSxd.shape[1], num_experts, experts_per_token, capacity_factor
+    )  # fmt: skip
+    split = shards > 1 and not mesh_axes.is_manual(axis)  # this call goes manual over ``axis``
     if capacity is None:
         _check_dropless(params["wi"], num_experts, shards, axis, split)
+    routing = resolve_routing(routing, experts_per_token)
     layer = _Layer(
-        num_experts,
-        experts_per_token,
-        capacity,
-        activation,
-        normalize_gates,
-        axis,
-        shards,
-        token_order,
+        num_experts, experts_per_token, capacity, activation, routing, axis, shards, token_order
     )
     mesh = jax.sharding.get_abstract_mesh()
     rows = () if mesh.empty else _token_axes(mesh, axis if split else None, x_BxSxd.shape[0])
@@ -320,8 +403,8 @@ class MoEFeedForward(nn.Module):
     ``('exp', 'expert')`` places the experts on the mesh axis ``expert``.
 
     Attributes:
-      num_experts, experts_per_token, capacity_factor, activation, normalize_gates,
-      axis: as for `moe_layer`.
+      num_experts, experts_per_token, capacity_factor, activation, routing, axis: as
+        for `moe_layer`.
       mlp_dim: each expert's hidden width.
       gated: a gated MLP (``wi_gate``), as in SwiGLU.
       param_dtype: the parameters' dtype.
@@ -338,7 +421,7 @@ class MoEFeedForward(nn.Module):
     capacity_factor: float | None = 1.25
     gated: bool = False
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu
-    normalize_gates: bool = True
+    routing: str | None = None
     axis: str = EXPERT_AXIS
     param_dtype: Any = jnp.float32
 
@@ -360,16 +443,8 @@ class MoEFeedForward(nn.Module):
         return moe_layer(
             params, x, num_experts=E, experts_per_token=self.experts_per_token,
             capacity_factor=self.capacity_factor, activation=self.activation,
-            normalize_gates=self.normalize_gates, axis=self.axis, token_order=token_order,
+            routing=self.routing, axis=self.axis, token_order=token_order,
         )  # fmt: skip
-
-
-def expert_shards(axis: str = EXPERT_AXIS) -> int:
-    """The size of ``axis`` in the mesh being traced for (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return 1
-    return mesh.shape[axis]
 
 
 # ------------------------------------------------------------- one device's work
@@ -380,10 +455,10 @@ class _Layer:
     sent to their experts' devices, the experts' MLPs, and the results back, weighted."""
 
     def __init__(
-        self, num_experts, experts_per_token, capacity, activation, normalize, axis, X, order=None
+        self, num_experts, experts_per_token, capacity, activation, routing, axis, X, order=None
     ):
         self.E, self.k, self.C = num_experts, experts_per_token, capacity
-        self.activation, self.normalize, self.axis, self.X = activation, normalize, axis, X
+        self.activation, self.routing, self.axis, self.X = activation, routing, axis, X
         self.order = order
 
     def __call__(self, params: Params, x_BxSxd, batch_axes=()) -> tuple[jax.Array, MoEAux]:
@@ -394,7 +469,7 @@ class _Layer:
         )
         routing = route(
             logits, experts_per_token=self.k, capacity=self.C,
-            normalize_gates=self.normalize, batch_axes=batch_axes, token_order=self.order,
+            routing=self.routing, batch_axes=batch_axes, token_order=self.order,
         )  # fmt: skip
         experts = {name: params[name] for name in EXPERT_WEIGHTS if name in params}
         if self.C is None:
@@ -508,16 +583,8 @@ def _token_axes(mesh, axis: str | None, batch: int) -> tuple[str, ...]:
     """The automatic mesh axes the batch is split over in the layer: the activation
     rules' batch axes, then ``axis`` (MaxText's ``('data', 'fsdp', 'expert')``), as many
     of them as divide the batch; without ``axis``, every device of it holds the tokens."""
-    from replicator.parallel.activations import current_axes
-
-    auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
     names = (*current_axes("activation_batch"), *([axis] if axis else []))
-    rows = []
-    for name in dict.fromkeys(names):  # in order, once each
-        if name in auto and mesh.shape[name] > 1:
-            if batch % (math.prod(mesh.shape[a] for a in rows) * mesh.shape[name]) == 0:
-                rows.append(name)
-    return tuple(rows)
+    return mesh_axes.split_over(mesh, names, batch)
 
 
 def _checked_order(token_order: Any, length: int) -> np.ndarray | None:
@@ -531,11 +598,6 @@ def _checked_order(token_order: Any, length: int) -> np.ndarray | None:
             f"got shape {order.shape}."
         )
     return order
-
-
-def _is_manual(axis: str) -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual
 
 
 # ------------------------------------------------------------- errors
@@ -566,7 +628,7 @@ def _check(params, num_experts, experts_per_token, capacity_factor, shards, axis
         )
     held = sorted({params[n].shape[0] for n in EXPERT_WEIGHTS if n in params})
     allowed = {num_experts} | (
-        {num_experts // shards} if shards > 1 and _is_manual(axis) else set()
+        {num_experts // shards} if shards > 1 and mesh_axes.is_manual(axis) else set()
     )
     if len(held) != 1 or held[0] not in allowed:
         raise ValueError(

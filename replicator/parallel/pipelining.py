@@ -39,10 +39,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from replicator.errors import ConfigError
+from replicator.parallel import axes as mesh_axes
+from replicator.parallel.activations import batch_axes
 from replicator.spmd.context import vary, varying_axes
 from replicator.step import remat as remat
 
@@ -92,9 +93,8 @@ def pipeline(
     >>> pipeline(lambda p, h: h @ p["w"], params, jnp.ones((2, 3)), microbatches=2).shape
     (2, 3)
     """
-    remat.check_policy(remat_policy)
     stages = stage_count(axis)
-    manual = stages > 1 and _is_manual(axis)  # inside a shard_map over ``axis`` already
+    manual = stages > 1 and mesh_axes.is_manual(axis)  # inside a shard_map over ``axis`` already
     split = manual and _varies(stacked_params, axis)  # each stage holds [L / S, ...]
     layers = _num_layers(stacked_params) * (stages if split else 1)
     _check(layers, stages, repeats, microbatches, x.shape[0])
@@ -104,7 +104,10 @@ def pipeline(
     if manual:
         return schedule.run_local(stacked_params, x, split=split)
     mesh = jax.sharding.get_abstract_mesh()
-    rows = _batch_axes(mesh, axis, x.shape[0] // microbatches)
+    # Manual over the batch's axes too, where a microbatch splits over them: each device
+    # runs its rows of every microbatch, the parameters enter gathered over them once,
+    # and their gradients leave summed once per step, not once per iteration.
+    rows = batch_axes(mesh, x.shape[0] // microbatches, exclude=axis)
     # Each stage leaves with its share of the output rows, which the layers after
     # the stack (a head, a loss) then split over the stages too: a reduce-scatter of
     # the last stage's output rather than an all-reduce to every stage.
@@ -124,23 +127,10 @@ def pipeline(
     return program(by_stage, x)
 
 
-def _batch_axes(mesh, axis: str, microbatch: int) -> tuple[str, ...]:
-    """The automatic mesh axes the activation rules split the batch over (``data``,
-    ``fsdp``), where a microbatch divides over them: the pipeline is manual over
-    those too, so each device runs its rows of every microbatch, the parameters
-    enter gathered over them once, and their gradients leave summed once per
-    step, not once per iteration of the schedule."""
-    from replicator.parallel.activations import batch_axes
-
-    return batch_axes(mesh, microbatch, exclude=axis)
-
-
 def stage_count(axis: str = STAGE_AXIS) -> int:
-    """The size of ``axis`` in the mesh being traced for (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return 1
-    return mesh.shape[axis]
+    """The number of pipeline stages: the size of ``axis`` in the mesh being traced for
+    (`replicator.parallel.axes.size`; 1 without one)."""
+    return mesh_axes.size(axis)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -237,11 +227,6 @@ def _by_stage(p: jax.Array, stages: int, repeats: int) -> jax.Array:
     lps = p.shape[0] // (stages * repeats)
     p = p.reshape(repeats, stages, lps, *p.shape[1:])
     return jnp.swapaxes(p, 0, 1)
-
-
-def _is_manual(axis: str) -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual
 
 
 def _varies(stack: PyTree, axis: str) -> bool:

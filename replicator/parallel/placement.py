@@ -254,14 +254,14 @@ class Roles:
         if kind is Kind.PER_REPLICA and rows != self.num_replicas:
             raise ValueError(
                 f"run: argument {leaf_path(args, index)} is a per-replica value with {rows} "
-                f"rows, but this Replicator has {self.num_replicas} replicas (one row per "
-                f"replica). It was made for {rows} replicas: reduce it there, or rebuild it "
+                f"rows, but this Replicator has {_replicas(self.num_replicas)} (one row per "
+                f"replica). It was made for {_replicas(rows)}: reduce it there, or rebuild it "
                 f"with {self.num_replicas} rows and pass rp.PerReplica(value)."
             )
         if kind is None and rows == self.num_replicas:
             raise ValueError(
                 f"run: argument {leaf_path(args, index)} (shape {x.shape}) is split over "
-                f"the {self.num_replicas} replicas with one row each: it could be a batch of "
+                f"{_replicas(self.num_replicas)} with one row each: it could be a batch of "
                 f"{rows} examples or a per-replica value, and run cannot tell which. Pass "
                 "rp.PerReplica(value) for a per-replica value (each replica gets its row), "
                 "or make the batch with repl.shard_batch (each replica gets a slice)."
@@ -338,3 +338,8 @@ def _as_tuple(entry) -> tuple[str, ...] | None:
     if entry is None:
         return None
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+def _replicas(n: int) -> str:
+    """``"1 replica"``, ``"8 replicas"``."""
+    return f"{n} replica{'' if n == 1 else 's'}"

@@ -522,7 +522,7 @@ def _is_slice(trace: _Trace, x: Any) -> bool:
     return (
         hasattr(x, "shape")
         and x.shape in trace.by_slice_shape
-        and bool(jax.typeof(x).manual_axis_type.varying)
+        and bool(compat.varying_manual_axes(x))
     )
 
 
@@ -557,7 +557,7 @@ def _slice(trace: _Trace, x: jax.Array, spec: P) -> jax.Array:
 def _spec_by_shape(trace: _Trace, x: Any) -> P | None:
     if not hasattr(x, "shape"):
         return None
-    if jax.typeof(x).manual_axis_type.varying:  # an optimizer-state slice, or no ZeRO leaf
+    if compat.varying_manual_axes(x):  # an optimizer-state slice, or no ZeRO leaf
         found = set(trace.by_slice_shape.get(x.shape, ())) if _is_slice(trace, x) else set()
     else:
         found = set(trace.by_shape.get(x.shape, ()))

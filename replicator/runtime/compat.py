@@ -1,13 +1,15 @@
-"""The one place replicator reaches into JAX's (and Orbax's) private modules.
+"""The one place replicator reaches into private parts of JAX, Orbax, gcsfs and Python.
 
 Each function wraps an internal that has no public equivalent (yet); an
 upgrade that changes one breaks it here, and tests/test_compat.py fails loudly
 naming it, instead of a run failing somewhere deep inside. Checked on JAX
-0.10.2 (Python 3.11) and 0.11.2 (Python 3.12), Orbax 0.12.
+0.10.2 (Python 3.11) and 0.11.2 (Python 3.12), Orbax 0.12; where a function
+names another version, on that one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -103,6 +105,25 @@ def all_gather_invariant(x: Any, axes: tuple[str, ...], dim: int) -> Any:
         return parallel.all_gather_invariant(x, axes, axis=dim, tiled=True)
 
 
+def varying_manual_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over, as ``jax.shard_map``'s ``check_vma`` types
+    it (empty outside one, and for a value the same on every device along them).
+
+    ``jax.typeof(x).manual_axis_type.varying``: a field of the abstract values of
+    ``jax._src.core`` (`jax.sharding.ManualAxisType` is public, the field that holds
+    it is not; JAX 0.10.2 has no public ``.vma``). ``x``: an array, a tracer, a Python
+    scalar or a ``jax.ShapeDtypeStruct`` (read as it is: ``jax.typeof`` of one made
+    under other manual axes than the caller's fails an assertion).
+    """
+    import jax
+
+    if isinstance(x, jax.ShapeDtypeStruct):
+        kind = x.manual_axis_type  # None where it was made outside any shard_map
+    else:
+        kind = jax.typeof(x).manual_axis_type
+    return frozenset(() if kind is None else kind.varying)
+
+
 def array_handler_without_replica_parallel() -> Any:
     """Orbax's handler of ``jax.Array`` leaves with its replica-parallel slicing off
     (costly in one process), keeping the array metadata store of the default
@@ -126,3 +147,74 @@ def set_orbax_gcs_retries(retries: dict) -> None:
 
     for default in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):
         default["gcs_request_retries"] = dict(retries)
+
+
+def orbax_json_write(handler: Any) -> Callable[[Any, Any], Any]:
+    """The coroutine function with which Orbax's ``JsonCheckpointHandler`` writes an
+    item, ``write(item, directory)`` (its private ``_save_fn``; on the primary host
+    only), bound to ``handler`` (an instance of it or of a subclass): a subclass's
+    ``async_save`` schedules it when it chooses. Checked on Orbax 0.12.8."""
+    import functools
+
+    import orbax.checkpoint as ocp
+
+    return functools.partial(ocp.JsonCheckpointHandler._save_fn, handler)
+
+
+def gcsfs_request_without_retries() -> Callable[..., Any] | None:
+    """``GCSFileSystem._request`` as gcsfs wrote it, under the decorator that retries it
+    (6 tries in about 30 s): an ``async`` function ``(fs, method, path, *args,
+    **kwargs)`` trying once, for a subclass that retries its own way; None where the
+    decorator no longer exposes it (``__wrapped__``). Checked on gcsfs 2026.10.1."""
+    import gcsfs
+
+    return getattr(gcsfs.GCSFileSystem._request, "__wrapped__", None)
+
+
+def gcs_endpoint(fs: Any) -> str:
+    """The URL a ``gcsfs.GCSFileSystem`` sends its requests to (``https://storage.googleapis.com``,
+    or ``STORAGE_EMULATOR_HOST``'s server), its private ``_location``: for a request
+    of the JSON API that gcsfs has no method for. Checked on gcsfs 2026.10.1."""
+    return fs._location
+
+
+def at_thread_shutdown(fn: Callable[..., Any], *args: Any) -> None:
+    """Runs ``fn(*args)`` as Python shuts down, before non-daemon threads are joined
+    and before ``atexit`` hooks: while ``concurrent.futures`` pools (which Orbax's
+    writers and gcsfs's uploads use) still take work, which they refuse once their
+    own shutdown hook, registered the same way, has run. CPython's private
+    ``threading._register_atexit`` (3.9 onward; hooks run in reverse order of
+    registration). Checked on Python 3.11 and 3.12."""
+    import threading
+
+    threading._register_atexit(fn, *args)
+
+
+def splash_backward(kernel: Any, q, k, v, segment_ids, out, lse, d_out) -> tuple[Any, Any, Any]:
+    """Splash attention's backward kernels (``dq``, ``dkv``) for ``kernel`` (one
+    ``make_splash_mha``/``make_splash_mqa`` kernel, called on one example), given the
+    output ``out`` and log-sum-exp ``lse`` to differentiate against: ``(dq, dk, dv)``.
+
+    The public kernel's VJP uses the residuals of its own forward; attention split into
+    blocks (a ring, gathered keys) differentiates each block against the output and
+    log-sum-exp of all of them, which only the private ``_splash_attention_bwd`` of
+    ``splash_attention_kernel`` takes. Checked on JAX 0.10.2.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    def collapsed(info):  # as the public kernel's jitted entry passes its mask infos on
+        blocks = None if info is None else info.partial_mask_blocks
+        if blocks is None:
+            return info
+        return info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+
+    kw = kernel.kwargs
+    residuals = (
+        q, k, v, segment_ids, None, out, lse,
+        collapsed(kernel.dq_mask_info), collapsed(kernel.dkv_mask_info),
+    )  # fmt: skip
+    grads = sk._splash_attention_bwd(
+        False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"], None, kw["mask_function"],
+        kw["attn_logits_soft_cap"], kw["interpret"], residuals, d_out,
+    )  # fmt: skip
+    return grads[3], grads[4], grads[5]

@@ -14,6 +14,10 @@ COMMAND is a replicator subcommand (``train ...``, ``eval ...``, ``plot ...``),
 run as ``python -m replicator train ...``, or any command, e.g. ``python
 my_script.py ARGS`` for a custom loop that calls ``rp.initialize()`` first; see
 `resolve_command`.
+
+The command line and its checks are `replicator.runtime.launch_args`' (a mistake is
+one line, exit status 2, before anything starts); the local processes
+`replicator.runtime.local_processes`'.
 """
 
 from __future__ import annotations
@@ -21,21 +25,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
-import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 
-from replicator.runtime import preflight, rehearse, shared_paths, slurm, tpu
-from replicator.runtime.processes import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from replicator.errors import LaunchError
+from replicator.runtime import launch_args, preflight, rehearse, shared_paths, slurm, tpu
+from replicator.runtime.local_processes import free_port_pair as free_port_pair
+from replicator.runtime.local_processes import run_processes
+from replicator.runtime.processes import ENV_COORDINATOR as ENV_COORDINATOR
+from replicator.runtime.processes import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from replicator.runtime.processes import ENV_PROCESS_ID as ENV_PROCESS_ID
 
 USAGE_ERROR = 2  # the exit status of a launch that cannot go ahead, as the CLI's
 
@@ -75,21 +77,6 @@ def resolve_command(command: Sequence[str], python: str) -> list[str]:
     return command
 
 
-def free_port_pair() -> int:
-    """A loopback port p with p + 1 also free (the coordinator and the roll call)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("No free pair of loopback ports found.")
-
-
 def launch_local(
     command: Sequence[str],
     *,
@@ -126,9 +113,22 @@ def launch_local(
     Returns:
       0 if every process succeeded (elastic: process 0 and every process that
       did not die of a signal), else the first failure's exit code (or 1).
+
+    Raises:
+      LaunchError: fewer than 1 process or device per process, or negative restarts:
+        a run of nothing is refused, never reported as a success.
     """
-    once = functools.partial(_launch_once, env_of=env_of)
-    code = once(command, processes, devices_per_process, grace_s, python, elastic)
+    if processes < 1 or devices_per_process < 1 or restarts < 0:
+        raise LaunchError(
+            f"launch_local: processes ({processes}) and devices_per_process "
+            f"({devices_per_process}) must be 1 or more, restarts ({restarts}) 0 or more"
+        )
+    argv = resolve_command(command, python)
+    once = functools.partial(
+        run_processes, argv, processes, devices_per_process, grace_s=grace_s, elastic=elastic,
+        env_of=env_of,
+    )  # fmt: skip
+    code = once()
     for attempt in range(1, restarts + 1):
         if code == 0:
             break
@@ -138,260 +138,8 @@ def launch_local(
             file=sys.stderr,
             flush=True,
         )
-        code = once(command, processes, devices_per_process, grace_s, python, elastic)
+        code = once()
     return code
-
-
-def _launch_once(
-    command, processes, devices_per_process, grace_s, python, elastic, env_of=None
-) -> int:
-    argv = resolve_command(command, python)
-    port = free_port_pair()
-    env = dict(os.environ)
-    env.update(
-        {
-            ENV_COORDINATOR: f"127.0.0.1:{port}",
-            ENV_NUM_PROCESSES: str(processes),
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
-            f"--xla_force_host_platform_device_count={devices_per_process}".strip(),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    if shutil.which(argv[0]) is None:
-        raise FileNotFoundError(f"cannot run {argv[0]!r}: no such program on PATH.")
-    procs, readers = [], []
-    for i in range(processes):
-        proc = subprocess.Popen(
-            argv,
-            env={**env, **(env_of(i) if env_of else {}), ENV_PROCESS_ID: str(i)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        reader = threading.Thread(
-            target=_prefix_lines, args=(proc.stdout, f"[{i}] ", _killed_before(procs, i)),
-            daemon=True,
-        )  # fmt: skip
-        reader.start()
-        procs.append(proc)
-        readers.append(reader)
-
-    def forward(signum, frame):
-        del frame
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = _supervise(procs, grace_s, elastic)
-        for reader in readers:  # the processes' last lines, still in the pipes
-            reader.join(timeout=5)
-        return code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _supervise(procs: list[subprocess.Popen], grace_s: float, elastic: bool = False) -> int:
-    lost: set[int] = set()
-    while True:
-        codes = [proc.poll() for proc in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0) and i not in lost]
-        if elastic:  # a killed island is survivable; a failing program or process 0 is not
-            for i, code in failed:
-                if i != 0 and code < 0:
-                    print(
-                        f"launch: process {i} died (signal {-code}); the others go on "
-                        "without it (--elastic).",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    lost.add(i)
-            failed = [(i, c) for i, c in failed if i not in lost]
-            codes = [0 if i in lost else c for i, c in enumerate(codes)]
-        if failed:  # a process killed from outside is the cause; its peers' errors follow
-            i, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
-            print(_failure_line(i, code), file=sys.stderr, flush=True)
-            _stop(procs, grace_s)
-            return code if code > 0 else 1
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.1)
-
-
-def _failure_line(i: int, code: int) -> str:
-    if code >= 0:
-        return f"launch: process {i} failed with exit code {code}; stopping the others."
-    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-    return (
-        f"launch: process {i} was killed ({name}), not a failure of the run: rerun the same "
-        "command to resume from its last checkpoint (--restarts N does it by itself)."
-    )
-
-
-def _killed_before(procs: list[subprocess.Popen], mine: int) -> Callable[[], bool]:
-    """Whether a process other than ``mine`` was killed by a signal not of `_stop`'s."""
-
-    def killed() -> bool:
-        return any(
-            j != mine and (p.poll() or 0) < 0 and not getattr(p, "stopped", False)
-            for j, p in enumerate(procs)
-        )
-
-    return killed
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.stopped = True  # its signal is ours: `_killed_before`
-            proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# What the processes' C++ libraries print on every multi-process start, which says
-# nothing a user acts on: gloo's peer count per rank (written by several threads at
-# once, so its pieces interleave within a line), and the coordination service's
-# notice that --elastic turned on JAX's recoverable tasks (which the user asked for).
-_GLOO = re.compile(
-    r"\[Gloo\] Rank(?: \d+)?|\s*is connected to \d+ peer ranks\. "
-    r"Expected number of connected peer ranks is : \d+"
-)
-_NOTICE = re.compile(
-    r"^[IW]\d{4} [\d:.]+ +\d+ coordination_service\.cc:\d+\] .*recoverable task feature"
-)
-_HOLD_S = 5.0  # how long a traceback is held back while its process still prints
-
-
-def _prefix_lines(stream, prefix: str, other_killed: Callable[[], bool] = lambda: False) -> None:
-    """Relays a process's output, each line prefixed, without the start-up noise above.
-
-    A traceback is held back until the process's output ends (or goes on for `_HOLD_S`
-    past it): the error of a survivor whose peer was killed from outside (gloo's lost
-    connection) goes to a file the console names (``train`` logs it too), the console
-    having said that the run resumes; any other traceback is shown as it was."""
-    rank_cut = False  # a "[Gloo] Rank" whose number went to the next line
-    held, since = [], 0.0
-    for line in stream:
-        if held or line.startswith("Traceback (most recent call last)"):
-            since = since if held else time.monotonic()
-            held.append(line)
-            if time.monotonic() - since > _HOLD_S:
-                held = _write(prefix, held)
-            continue
-        if _NOTICE.search(line):
-            continue
-        if rank_cut and line.strip().isdigit():
-            rank_cut = False
-            continue
-        rank_cut = bool(re.search(r"\[Gloo\] Rank\s*$", line))
-        if "[Gloo]" in line or "peer ranks" in line:
-            line = _GLOO.sub("", line)
-            if not line.strip():
-                continue
-        _write(prefix, [line])
-    if held and other_killed():
-        fd, path = tempfile.mkstemp(
-            prefix=f"replicator-launch-{prefix.strip('[] ')}-", suffix=".txt"
-        )
-        with os.fdopen(fd, "w") as f:
-            f.writelines(held)
-        _write(prefix, [f"(its error once another process was killed: {path})\n"])
-    elif held:
-        _write(prefix, held)
-
-
-def _write(prefix: str, lines: list[str]) -> list[str]:
-    sys.stdout.write("".join(prefix + line for line in lines))
-    sys.stdout.flush()
-    return []
-
-
-_COMMAND_HELP = """\
-COMMAND after -- is what every process runs:
-  train|eval|plot ARGS    python -m replicator train|eval|plot ARGS
-  python SCRIPT ARGS      any Python program, e.g. a custom loop that calls
-                          rp.initialize() first; `python`/`python3` become this
-                          interpreter locally (sys.executable, so the virtualenv
-                          is used), the environment's on TPU VMs and
-                          .venv/bin/python under SLURM
-  ANY OTHER COMMAND       run as given
-
-examples:
-  python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
-      train --config configs/digits_cnn.py --workdir runs/digits_2x4
-  python -m replicator launch local --processes 2 --devices-per-process 4 -- \\
-      python my_script.py ARGS
-  python -m replicator launch local --processes 2 --gcs -- \\
-      train --config configs/digits_cnn.py --workdir gs://rehearsal/digits
-  python -m replicator launch tpu --tpu my-pod --zone us-central2-b -- \\
-      train --config my_config.py --workdir gs://my-bucket/runs/a
-  python -m replicator launch slurm --nodes 2 --gpus-per-node 8 --dry-run -- \\
-      python my_script.py ARGS
-"""
-
-_TPU_HELP = f"""\
-what it does, each gcloud command printed first (--dry-run: printed only):
-  0. refuses a local --workdir or --config.data_dir when the pod has several
-     workers (they share no disk; --allow-local-workdir runs it anyway; a dry
-     run knows the workers from --accelerator-type or --slices). Pre-flight,
-     for a train command: compiles its config here for the pod's accelerator
-     type and slices (python -m replicator compile; libtpu, the tpu extra, no
-     TPU) and refuses a run that does not fit a chip's HBM, in one line; the
-     report stays in ~/.cache/replicator/preflight/NAME. The type is asked of
-     gcloud, or given with --accelerator-type (a dry run compiles only with
-     it); --no-preflight skips the check
-  1. asks every worker whether it has the environment (Python and the
-     project's dependencies, keyed by their hash) and, if not, whether it can
-     reach what installing takes: PyPI (pypi.org, files.pythonhosted.org) for
-     uv and the packages, github.com for uv's CPython; one that cannot is
-     refused in one line (the ways out: Cloud NAT, --wheels, --python PATH)
-  2. copies one tarball, named by its content hash, to every worker: the
-     project's files (git ls-files of the checkout replicator is imported from;
-     never .venv, runs/ or data) and the Python files COMMAND names (--config
-     FILE, python SCRIPT) with the Python files beside them, at their paths
-     relative to this directory, where COMMAND runs. With --wheels, and a
-     worker without the environment, also the wheels (pip download --platform
-     here, kept in ~/.cache/replicator/wheels)
-  3. unpacks it into ~/.replicator/bundles/HASH and, where the environment is
-     missing, installs the project's dependencies with its tpu extra in a uv
-     virtualenv ~/.replicator/envs/pyX.Y-HASH with Python {tpu.DEFAULT_PYTHON} (--python X.Y, or
-     --python PATH: an interpreter on every worker): a code edit installs
-     nothing, a change of the dependencies installs anew
-  4. keeps the newest --keep-bundles bundles and the environments they use
-     (the rest is removed), frees the TPU and starts COMMAND detached on every
-     worker, under `python -m replicator.runtime.worker`: it outlives the ssh
-     session; its output goes to ~/.replicator/job/worker.log on each worker,
-     mirrored to WORKDIR/launch/worker-N.log (slice-S-worker-N.log across
-     slices; --log-dir)
-
-follow and stop the job (with the same --tpu, --zone, --project, --slices):
-  launch tpu --tpu NAME --zone ZONE --logs [--worker N] [--slice S]
-      tail -F the log of worker N (of slice S)
-  launch tpu --tpu NAME --zone ZONE --stop [--grace SECONDS]
-      SIGTERM to the job on every worker (train saves a checkpoint and exits),
-      SIGKILL after --grace seconds; then frees the TPU
-
-Use gs:// paths: the workers share no disk. With --restarts N each
-worker runs a failed command again, up to N times; train resumes from its
-last checkpoint. A pod that was preempted or recreated has lost its job:
-launch the same command again, and train resumes from the checkpoints in the
-bucket.
-
---slices N (a multislice queued resource, named by --tpu) runs the commands
-through `gcloud compute tpus queued-resources ssh|scp --worker=all --node=all`,
-and a train command gets --config.dcn_mesh='{{"data": N}}' (data parallel across
-slices, the config's mesh within each) unless it sets --config.dcn_mesh (a
-dcn_mesh set in the config file is replaced: give it on the command line).
-"""
 
 
 def main(argv: Sequence[str]) -> int:
@@ -399,49 +147,27 @@ def main(argv: Sequence[str]) -> int:
 
     Returns:
       The exit status: the run's for ``local``; 2 after a one-line ``error: ...``
-      for a launch that cannot go ahead (no gcloud, no gcloud account, no sbatch).
+      for a launch that cannot go ahead (arguments that cannot launch, checked before
+      anything is created; no gcloud, no gcloud account, no sbatch).
     """
-    argv = list(argv)
-    command = argv[argv.index("--") + 1 :] if "--" in argv else []
-    options = argv[: argv.index("--")] if "--" in argv else argv
-    parser = _parser()
-    args = parser.parse_args(options)
-    follow_or_stop = args.where == "tpu" and (args.logs or args.stop)
-    if follow_or_stop and command:
-        parser.error("--logs and --stop take no command")
-    if not command and not follow_or_stop:
-        parser.error(
-            "give the command after --, e.g. -- train --config FILE ... or -- python "
-            "my_script.py ARGS"
-        )
-    if args.where == "local":
-        if args.processes < 1 or args.devices_per_process < 1 or args.restarts < 0:
-            parser.error(
-                f"--processes ({args.processes}) and --devices-per-process "
-                f"({args.devices_per_process}) must be 1 or more, --restarts ({args.restarts}) "
-                "0 or more"
-            )
-        if not args.gcs and (args.gcs_dir or args.allow_local_workdir):
-            parser.error(f"--gcs-dir and {shared_paths.ALLOW_FLAG} go with --gcs (a rehearsal)")
-        try:
-            return _launch_local(args, command)
-        except FileNotFoundError as e:
-            parser.error(str(e))
-        except tpu.LaunchError as e:
-            return _error(str(e))
-    if args.where == "slurm":
-        return _launch_slurm(args, command)
-    if args.slices < 1:
-        parser.error(f"--slices must be 1 or more, not {args.slices}")
     try:
-        return _launch_tpu(args, command)
-    except tpu.LaunchError as e:
+        args, command = launch_args.parse(argv)
+        if args.where == "local":
+            return _launch_local(args, command)
+        if args.where == "slurm":
+            return _launch_slurm(args, command)
+        try:
+            return _launch_tpu(args, command)
+        except KeyboardInterrupt:  # Ctrl-C ends following a log, or the launch: not the job
+            return 130
+    except LaunchError as e:
         return _error(str(e))
-    except KeyboardInterrupt:  # Ctrl-C ends following a log, or the launch: not the job
-        return 130
 
 
 def _launch_local(args: argparse.Namespace, command: list[str]) -> int:
+    program = resolve_command(command, sys.executable)[0]
+    if shutil.which(program) is None:  # before a rehearsal starts its server
+        raise LaunchError(f"cannot run {program!r}: no such program on PATH.")
     rehearsal, outcome = contextlib.nullcontext(), {}
     if args.gcs:
         rehearsal = rehearse.rehearsal(
@@ -531,182 +257,4 @@ def _launch_slurm(args: argparse.Namespace, command: list[str]) -> int:
         gpus_per_node=args.gpus_per_node,
         process_per_gpu=not args.process_per_node,
     )
-    try:
-        return slurm.submit(script, dry_run=args.dry_run)
-    except tpu.LaunchError as e:
-        return _error(str(e))
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m replicator launch",
-        usage="%(prog)s {local,tpu,slurm} [options] -- COMMAND [ARGS ...]",
-        description="Runs COMMAND as every process of a multi-process run.",
-        epilog=_COMMAND_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="where", required=True)
-
-    def add_parser(name: str, help: str, usage: str, epilog: str) -> argparse.ArgumentParser:
-        return sub.add_parser(
-            name,
-            help=help,
-            prog=f"python -m replicator launch {name}",
-            usage=usage,
-            epilog=epilog,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-
-    usage = "%(prog)s [options] -- COMMAND [ARGS ...]"
-    local = add_parser("local", "processes on this machine (127.0.0.1)", usage, _COMMAND_HELP)
-    _add_local_options(local)
-    tpu_usage = (
-        "%(prog)s --tpu NAME --zone ZONE [options] -- COMMAND [ARGS ...]\n"
-        "       %(prog)s --tpu NAME --zone ZONE [options] --logs [--worker N] [--slice S]\n"
-        "       %(prog)s --tpu NAME --zone ZONE [options] --stop [--grace SECONDS]"
-    )
-    tpu_parser = add_parser(
-        "tpu",
-        "every worker of a Cloud TPU VM pod (or of every slice of a queued resource)",
-        tpu_usage,
-        _TPU_HELP + "\n" + _COMMAND_HELP,
-    )
-    _add_tpu_options(tpu_parser)
-    slurm_parser = add_parser("slurm", "an sbatch job", usage, _COMMAND_HELP)
-    slurm.add_options(slurm_parser)
-    return parser
-
-
-def _add_local_options(local: argparse.ArgumentParser) -> None:
-    local.add_argument(
-        "--processes", type=int, required=True, help="processes to start on this machine"
-    )
-    local.add_argument(
-        "--devices-per-process", type=int, default=1, help="fake CPU devices in each process"
-    )
-    local.add_argument(
-        "--restarts",
-        type=int,
-        default=0,
-        help="start a failed run again (all processes, from the last checkpoint) up to N times",
-    )
-    local.add_argument(
-        "--elastic",
-        action="store_true",
-        help="a process (not 0) killed by a signal does not stop the others (DiLoCo islands)",
-    )
-    local.add_argument(
-        "--gcs",
-        action="store_true",
-        help="rehearse a pod: a local GCS server for the gs:// paths of COMMAND (its buckets "
-        "created), a disk of its own for each process (the rehearse extra)",
-    )
-    local.add_argument(
-        "--gcs-dir",
-        metavar="DIR",
-        help="--gcs: where the server keeps the objects, across runs "
-        "(default: ~/.cache/replicator/gcs)",
-    )
-    _add_allow_local_workdir(local)
-
-
-def _add_allow_local_workdir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        shared_paths.ALLOW_FLAG,
-        action="store_true",
-        help="accept a local --workdir or --config.data_dir for several hosts (on a pod each "
-        "worker keeps its own)",
-    )
-
-
-def _add_tpu_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tpu",
-        required=True,
-        metavar="NAME",
-        help="the TPU VM's name (with --slices: the queued resource's)",
-    )
-    parser.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
-    parser.add_argument("--project", help="its Google Cloud project (default: gcloud's)")
-    parser.add_argument(
-        "--slices",
-        type=int,
-        default=1,
-        metavar="N",
-        help="slices of a multislice queued resource (default 1: a TPU VM)",
-    )
-    parser.add_argument(
-        "--internal-ip", action="store_true", help="reach the workers by their internal IPs"
-    )
-    parser.add_argument(
-        "--restarts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="each worker runs a failed command again, from the last checkpoint, up to N times",
-    )
-    parser.add_argument(
-        "--log-dir",
-        metavar="DIR",
-        help="mirror each worker's log to DIR/worker-N.log, local to the worker or gs:// "
-        "(default: WORKDIR/launch when COMMAND has --workdir)",
-    )
-    parser.add_argument(
-        "--accelerator-type",
-        metavar="TYPE",
-        help="the pod's accelerator type for the pre-flight compile, e.g. v5litepod-16 "
-        "(default: asked of gcloud)",
-    )
-    parser.add_argument(
-        "--no-preflight",
-        action="store_true",
-        help="ship a train command without compiling its config for the pod here first",
-    )
-    _add_environment_options(parser)
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument(
-        "--logs", action="store_true", help="follow a worker's log instead of starting a job"
-    )
-    action.add_argument(
-        "--stop",
-        action="store_true",
-        help="stop the job on every worker (SIGTERM: a checkpoint; SIGKILL after --grace) "
-        "and free the TPU",
-    )
-    parser.add_argument("--worker", default="0", metavar="N", help="--logs: the worker (0)")
-    parser.add_argument(
-        "--slice", default="0", metavar="S", help="--logs with --slices: the slice (0)"
-    )
-    parser.add_argument(
-        "--grace",
-        type=int,
-        default=300,
-        metavar="SECONDS",
-        help="--stop: the time to save a checkpoint before SIGKILL (300)",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-
-
-def _add_environment_options(parser: argparse.ArgumentParser) -> None:
-    """launch tpu's options on the workers' environment and disk."""
-    parser.add_argument(
-        "--python",
-        default=tpu.DEFAULT_PYTHON,
-        metavar="X.Y|PATH",
-        help="the workers' Python: a version uv brings (default: this one's, %(default)s), or "
-        "the path of an interpreter installed on every worker",
-    )
-    parser.add_argument(
-        "--wheels",
-        action="store_true",
-        help="install the packages from wheels downloaded here for the TPU VMs (pip download "
-        "--platform) and shipped with the bundle, not from PyPI",
-    )
-    parser.add_argument(
-        "--keep-bundles",
-        type=int,
-        default=tpu.KEEP_BUNDLES,
-        metavar="N",
-        help="the bundles each worker keeps, with the environments they use (%(default)s)",
-    )
-    _add_allow_local_workdir(parser)
+    return slurm.submit(script, dry_run=args.dry_run)

@@ -7,6 +7,12 @@ steps, no TPU needed, and a run that does not fit a chip's HBM is refused in one
 line, before anything is copied. The compile's report stays in `workdir_for`.
 A subprocess, so the launcher imports no JAX and the run's config resolves as
 ``train`` resolves it; other commands have no config to compile and go ahead.
+
+It needs the config and the topology only: the compile reads the example's shapes
+from the dataset's metadata (`replicator.trainer.data.metadata`), never the data, so
+a ``gs://`` data_dir is not opened and a laptop without the bucket's credentials
+checks the run all the same. What it compiled with (jax, jaxlib, libtpu) is what
+the workers install (`replicator.runtime.worker_env.compiler_pins`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,8 +43,10 @@ def compile_command(
     for any other command.
 
     >>> train = ["train", "--config", "c.py", "--config.batch_size=8", "--workdir", "gs://b/r"]
-    >>> shlex.join(compile_command(train, "v4-8", 1, "/w", python="py")[3:])
-    'compile --config c.py --config.batch_size=8 --topology v4-8 --slices 1 --workdir /w'
+    >>> shlex.join(compile_command(train, "v4-8", 1, "/w", python="py")[3:8])
+    'compile --config c.py --config.batch_size=8 --topology'
+    >>> compile_command(train, "v4-8", 1, "/w")[8:]
+    ['v4-8', '--slices', '1', '--workdir', '/w', '--steps=train,eval']
     """
     words = list(command)
     if words[:1] != ["train"]:
@@ -54,6 +63,7 @@ def compile_command(
             kept.append(words[i])
         i += 1
     where = ["--topology", accelerator, "--slices", str(slices), "--workdir", workdir]
+    where.append("--steps=train,eval")  # what a training run runs (not the decode step)
     return [python, "-m", "replicator", "compile", *kept, *where]
 
 
@@ -137,13 +147,14 @@ def check_fit(
             "installed: pip install -e '.[tpu]', or skip the check with --no-preflight"
         )
     workdir = workdir_for(pod)
-    report = pathlib.Path(workdir, "compile", "report.json")
-    report.unlink(missing_ok=True)  # a report of an earlier pre-flight says nothing now
+    shutil.rmtree(workdir, ignore_errors=True)  # an earlier pre-flight's report says nothing now
     compile_words = compile_command(command, accelerator, pod.slices, workdir)
     print(f"# pre-flight: {shlex.join(['python', *compile_words[1:]])}", flush=True)
     code = subprocess.run(compile_words, check=False).returncode
-    fits = json.loads(report.read_text())["fits"] if report.is_file() else None
+    reports = sorted(pathlib.Path(workdir).glob("compile*/report.json"))  # keyed by overrides
+    fits = json.loads(reports[0].read_text())["fits"] if reports else None
     if code == 0:
+        print(f"# pre-flight: {_checked(reports)}", flush=True)
         return
     if fits is False:
         raise LaunchError(
@@ -154,3 +165,17 @@ def check_fit(
         f"the pre-flight compile for {accelerator} failed (exit status {code}, above); fix "
         "it, or skip the check with --no-preflight"
     )
+
+
+def _checked(reports: list[pathlib.Path]) -> str:
+    """What the pre-flight checked: the steps' fit, from what shapes, by which compiler
+    (the workers install the same: `replicator.runtime.worker_env.compiler_pins`)."""
+    if not reports:
+        return "the run fits"
+    report = json.loads(reports[0].read_text())
+    versions = ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items())
+    shapes = report.get("shapes") or "shapes from the data"
+    size, unit = report["memory_per_chip_bytes"] / 2**30, "GiB"
+    if size < 0.1:
+        size, unit = size * 1024, "MiB"
+    return f"fits ({size:.3g} {unit} per chip); {shapes}; compiled by {versions}"

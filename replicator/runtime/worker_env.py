@@ -6,7 +6,10 @@ extra (``uv pip install -r pyproject.toml --extra tpu``), not the project: the j
 imports the bundle's code through ``PYTHONPATH``. NAME ends in the hash of the
 dependency spec (`Environment.digest`: the requirements and the Python), so a code
 edit makes a new bundle and reuses the environment; only a change of the
-dependencies, or of ``--python``, installs anew. A bundle records the environment
+dependencies, or of ``--python``, installs anew. Where libtpu is installed here, the
+environment pins this machine's jax, jaxlib and libtpu (`compiler_pins`): the pods run
+the compiler that compiled ``launch tpu``'s pre-flight, and a new compiler here is a new
+environment there. A bundle records the environment
 it ran with, and `prune_script` keeps the newest few bundles and the environments
 they use.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -76,16 +80,19 @@ class Environment:
       requirements: the dependency spec, as pyproject.toml states it: the
         project's dependencies, then its ``tpu`` extra.
       wheels: install from wheels shipped with the bundle instead of PyPI.
+      pins: exact versions installed on top (`compiler_pins`: the compiler of the
+        pre-flight compile here, so that the workers run the program it checked).
     """
 
     python: str
     requirements: tuple[str, ...]
     wheels: bool = False
+    pins: tuple[str, ...] = ()
 
     @property
     def digest(self) -> str:
-        """The hash of the Python and the requirements: what keys the environment."""
-        spec = "\0".join([f"python={self.python}", *self.requirements])
+        """The hash of the Python, the requirements and the pins: what keys the environment."""
+        spec = "\0".join([f"python={self.python}", *self.requirements, *self.pins])
         return hashlib.sha256(spec.encode()).hexdigest()[:12]
 
     @property
@@ -117,10 +124,30 @@ def dependency_spec(pyproject: str | os.PathLike) -> tuple[str, ...]:
     return (*project.get("dependencies", []), *extra)
 
 
+def compiler_pins() -> tuple[str, ...]:
+    """``jax==V``, ``jaxlib==V`` and ``libtpu==V`` as installed here, where libtpu is:
+    the workers then run the compiler that compiled the pre-flight here (libtpu
+    versions differ by 15-28% in a program's HBM). () without libtpu here (no
+    pre-flight to agree with: the ``tpu`` extra's range decides), and for a version
+    that is no release (a local build PyPI does not have).
+    """
+    pins = []
+    for package in ("jax", "jaxlib", "libtpu"):
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return ()
+        if not re.fullmatch(r"\d+(\.\d+)*", version):
+            return ()
+        pins.append(f"{package}=={version}")
+    return tuple(pins)
+
+
 def plan_environment(
     root: str | os.PathLike, python: str = DEFAULT_PYTHON, wheels: bool = False
 ) -> Environment:
-    """The environment the project at ``root`` runs in on the workers.
+    """The environment the project at ``root`` runs in on the workers: its
+    dependencies and ``tpu`` extra, with this machine's compiler pinned (`compiler_pins`).
 
     Raises:
       LaunchError: ``python`` is neither a version ``X.Y`` nor an absolute path.
@@ -130,16 +157,19 @@ def plan_environment(
             f"--python {python}: give a version uv brings (e.g. {DEFAULT_PYTHON}) or the "
             "absolute path of an interpreter installed on every worker"
         )
-    return Environment(python, dependency_spec(pathlib.Path(root, "pyproject.toml")), wheels)
+    requirements = dependency_spec(pathlib.Path(root, "pyproject.toml"))
+    return Environment(python, requirements, wheels, compiler_pins())
 
 
 def describe_environment(env: Environment) -> str:
     """One line on the environment, for the launcher's output."""
     python = f"the workers' {env.python}" if env.preinstalled else f"Python {env.python} (uv)"
     source = "wheels shipped from here" if env.wheels else "PyPI"
+    pinned = ", ".join(p.replace("==", " ") for p in env.pins)
+    pinned = f" (pinned to this machine's compiler: {pinned})" if pinned else ""
     return (
-        f"environment {env.name}: {python}, the project's dependencies and its {EXTRA} extra "
-        f"from {source}; installed where it is missing, kept until they change"
+        f"environment {env.name}: {python}, the project's dependencies and its {EXTRA} extra"
+        f"{pinned} from {source}; installed where it is missing, kept until they change"
     )
 
 
@@ -336,6 +366,16 @@ def setup_script(bundle: Bundle, env: Environment) -> str:
     return "\n".join(lines)
 
 
+def _pin_lines(env: Environment) -> list[str]:
+    """The pins as uv's constraints (``UV_CONSTRAINT``), written into the new environment."""
+    if not env.pins:
+        return []
+    return [
+        f'printf "%s\\n" {" ".join(env.pins)} > "$env/pins.txt"',
+        'export UV_CONSTRAINT="$env/pins.txt"',
+    ]
+
+
 def _install_lines(env: Environment) -> list[str]:
     source = '-r "$bundle/project/pyproject.toml" --extra ' + EXTRA
     if not env.wheels:
@@ -344,6 +384,7 @@ def _install_lines(env: Environment) -> list[str]:
             "|| curl -LsSf https://astral.sh/uv/install.sh | sh",
             'rm -rf "$env"',
             f'uv venv --quiet --python {quote(env.python)} "$env"',
+            *_pin_lines(env),
             f'uv pip install --quiet --python "$env/bin/python" {source}',
             'touch "$env/installed"',
         ]
@@ -359,6 +400,7 @@ def _install_lines(env: Environment) -> list[str]:
         "fi",
         'rm -rf "$env"',
         f'uv venv --quiet --python {quote(env.python)} "$env"',
+        *_pin_lines(env),
         'uv pip install --quiet --offline --no-index --find-links "$wheels" '
         f'--python "$env/bin/python" {source}',
         'touch "$env/installed"',
@@ -419,7 +461,7 @@ def download_wheels(env: Environment, version: str) -> pathlib.Path:
     if (dest / "complete").is_file():
         return dest
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "requirements.txt").write_text("\n".join(env.requirements) + "\n")
+    (dest / "requirements.txt").write_text("\n".join([*env.requirements, *env.pins]) + "\n")
     download = download_command(env, version, dest)
     for _ in range(10):
         print(f"# {shlex.join(['pip', *download[3:]])}", flush=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 import jax
 
 from replicator.errors import AxisNameError as AxisNameError
+from replicator.runtime import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,7 @@ def replica_key(key: jax.Array) -> jax.Array:
 
 def varying_axes(x: jax.Array, axes: Sequence[str]) -> tuple[str, ...]:
     """Which of ``axes`` ``x`` varies over, as JAX types it inside ``shard_map``."""
-    varying = jax.typeof(x).manual_axis_type.varying
+    varying = compat.varying_manual_axes(x)
     return tuple(a for a in axes if a in varying)
 
 
@@ -194,7 +195,8 @@ def sum_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
 
 def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """``x`` typed as varying over every one of ``axes`` (a no-op where it already is)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    varying = compat.varying_manual_axes(x)
+    missing = tuple(a for a in axes if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

@@ -37,6 +37,7 @@ import optax
 
 from replicator.parallel import diloco as diloco
 from replicator.parallel import zero as zero
+from replicator.runtime import compat
 from replicator.spmd.context import (
     get_replica_context,
     in_global_view,
@@ -366,7 +367,7 @@ def _global_norm(grads: PyTree, pieces: PyTree) -> jax.Array:
     squares: dict[tuple[str, ...], jax.Array] = {}
     for g, x in zip(jax.tree.leaves(grads), jax.tree.leaves(pieces), strict=True):
         if _floating(x):
-            split = jax.typeof(x).manual_axis_type.varying - jax.typeof(g).manual_axis_type.varying
+            split = compat.varying_manual_axes(x) - compat.varying_manual_axes(g)
             key = tuple(sorted(split))
             squares[key] = squares.get(key, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
     total = sum(

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from replicator.runtime import compat
 from replicator.spmd.context import (
     get_replica_context,
     group_axis,
@@ -86,11 +87,11 @@ def accumulate_gradients(grad_fn: GradFn, steps: int) -> GradFn:
     """``grad_fn`` over ``steps`` microbatches of the batch, summed (``steps=1``: itself).
 
     The batch is split into ``steps`` microbatches on its leading axis, and
-    each is differentiated in turn in a `jax.lax.scan` (peak activation memory:
-    one microbatch). Gradients and ``out``'s loss and aux are summed:
-    `rp.compute_average_loss` divides every microbatch by the whole global
-    batch (see `replicator.spmd.context.microbatching`), so the sum is the big
-    batch's loss and gradient. ``out``'s model state (``(loss, state, aux)``)
+    each is differentiated in turn in a `jax.lax.scan` of ``steps`` trips from a
+    zero total (peak activation memory: one microbatch). Gradients and ``out``'s
+    loss and aux are summed: `rp.compute_average_loss` divides every microbatch
+    by the whole global batch (see `replicator.spmd.context.microbatching`), so
+    the sum is the big batch's loss and gradient. ``out``'s model state (``(loss, state, aux)``)
     is averaged over the microbatches where it is floating (statistics) and
     the last one's elsewhere (counters, keys). Inside `Replicator.run` the
     gradients are summed across replicas once, after the loop, instead of once
@@ -118,13 +119,16 @@ def accumulate_gradients(grad_fn: GradFn, steps: int) -> GradFn:
             summed_over = _autodiff_sum_axes(params, ctx.axis_name)
             params = jax.tree.map(lambda p: vary(p, ctx.axis_name), params)
         with microbatching(steps):
-            first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-            step = lambda total, microbatch: (_add(total, grad_fn(params, microbatch)), None)
-            total, _ = jax.lax.scan(step, first, jax.tree.map(lambda x: x[1:], micro))
-        grads, (loss, new_state, aux) = total
-        new_state = jax.tree.map(
-            lambda x: (x / steps).astype(x.dtype) if _floating(x) else x, new_state
-        )
+            # Every microbatch inside the loop, none before it: a first one ahead of a
+            # loop of steps - 1 trips leaves, at 2 steps, a 1-trip loop that XLA
+            # unrolls, and it then runs both forward passes before either backward
+            # pass, both microbatches' activations alive at once (on a TPU, more
+            # temporaries than one big batch; tests/test_precision.py).
+            shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+            (grads, loss, sums, aux), kept = jax.lax.scan(
+                _accumulate(grad_fn, params), _zeros(_summed(shapes)), micro
+            )
+        new_state = _state(shapes, [(x / steps).astype(x.dtype) for x in sums], kept)
         if ctx is not None:
             grads = jax.tree.map(
                 lambda g, axes: jax.lax.psum(g, axes) if axes else g,
@@ -153,14 +157,43 @@ def _autodiff_sum_axes(params: PyTree, axes: tuple[str, ...]) -> PyTree:
     return jax.tree.map(lambda p: tuple(a for a in axes if a not in varying_axes(p, axes)), params)
 
 
-def _add(total: tuple, new: tuple) -> tuple:
-    """One microbatch's ``(grads, (loss, state, aux))`` added to the running total.
-    Every microbatch starts from the same model state: its floating statistics are
-    summed (and averaged after the loop); counters and keys keep the last."""
-    (total_grads, (total_loss, total_state, total_aux)), (grads, (loss, state, aux)) = total, new
-    state = jax.tree.map(lambda t, x: t + x if _floating(x) else x, total_state, state)
-    add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return add(total_grads, grads), (total_loss + loss, state, add(total_aux, aux))
+def _accumulate(grad_fn: GradFn, params: PyTree) -> Callable:
+    """The loop's body: one microbatch's sums (`_summed`) added to the running total;
+    its other model state (counters, keys) comes out per trip, the last one kept."""
+
+    def body(total, microbatch):
+        new = grad_fn(params, microbatch)
+        return jax.tree.map(jnp.add, total, _summed(new)), _kept(new)
+
+    return body
+
+
+def _summed(out: tuple) -> tuple:
+    """Of ``(grads, (loss, state, aux))``, what microbatches add up: ``(grads, loss,
+    floating state leaves, aux)``. Every microbatch starts from the same model state:
+    its floating statistics are summed (and averaged after the loop)."""
+    grads, (loss, state, aux) = out
+    return grads, loss, [x for x in jax.tree.leaves(state) if _floating(x)], aux
+
+
+def _kept(out: tuple) -> list:
+    """Of ``(grads, (loss, state, aux))``, the model state's other leaves (counters, keys)."""
+    return [x for x in jax.tree.leaves(out[1][1]) if not _floating(x)]
+
+
+def _zeros(shapes: PyTree) -> PyTree:
+    """Zeros of ``shapes`` (`jax.eval_shape`'s), each varying over the replica axes its
+    shape does: the loop's total has the type of what its body adds to it."""
+    zero = lambda s: vary(jnp.zeros(s.shape, s.dtype), tuple(compat.varying_manual_axes(s)))
+    return jax.tree.map(zero, shapes)
+
+
+def _state(shapes: tuple, sums: list, kept: list) -> PyTree:
+    """The model state of ``shapes`` (``(grads, (loss, state, aux))``) from its averaged
+    floating leaves ``sums`` and its other leaves ``kept`` per microbatch (the last)."""
+    leaves, treedef = jax.tree.flatten(shapes[1][1])
+    sums, kept = iter(sums), iter(kept)
+    return treedef.unflatten([next(sums) if _floating(x) else next(kept)[-1] for x in leaves])
 
 
 def _floating(x: jax.Array) -> bool:
@@ -192,7 +225,8 @@ def restore_invariance(grad_fn: GradFn, loss_fn: Callable, steps: int, params: P
 
 def _invariant_as(x: Any, reference: jax.ShapeDtypeStruct) -> Any:
     axes = get_replica_context().axis_name
-    extra = tuple(a for a in varying_axes(x, axes) if a not in reference.manual_axis_type.varying)
+    typed = compat.varying_manual_axes(reference)
+    extra = tuple(a for a in varying_axes(x, axes) if a not in typed)
     if not extra or not hasattr(x, "dtype"):
         return x
     if x.dtype == jnp.bool_:

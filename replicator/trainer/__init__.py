@@ -10,5 +10,6 @@ from replicator.trainer.config import ConfigError as ConfigError
 from replicator.trainer.driver import train_and_evaluate as train_and_evaluate
 from replicator.trainer.evaluator import evaluate as evaluate
 from replicator.trainer.evaluator import follow as follow
+from replicator.trainer.experiment import ConfigKeys as ConfigKeys
 from replicator.trainer.experiment import Experiment as Experiment
 from replicator.trainer.experiment import Settings as Settings

@@ -99,6 +99,7 @@ class LogTrain:
         (step, sums, status), self._held = self._held, None
         sums, status = jax.device_get(self._wait((sums, status)))
         record = self._summarize(sums)
+        shown = {k: v for k, v in record.items() if isinstance(v, float)}  # the experiment's
         if self._schedule is not None and "updates" in status:
             # (under DiLoCo and compile, a count per group of replicas: they step together)
             updates = int(np.max(status["updates"]))
@@ -111,8 +112,8 @@ class LogTrain:
         rate = (step - last_step) * self._per_step / max(now - last_time, 1e-9)
         record[f"{self._unit}_per_sec"] = rate
         self._writer.write(step, record)
-        shown = {k: v for k, v in record.items() if isinstance(v, float)}
-        self._progress.update(step, **dict(list(shown.items())[:2]), **{"per_sec": rate})
+        # Every metric of the experiment's (an MoE's dropped_fraction beside the loss).
+        self._progress.update(step, **shown, **{f"{self._unit}_per_sec": rate})
 
 
 class WatchNonfinite:

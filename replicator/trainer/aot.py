@@ -12,7 +12,7 @@ code, against the chip's HBM; the step's FLOPs and HBM traffic and its
 collectives by kind and mesh axis, ICI or DCN (`replicator.compiled.hlo.analyze`, loop
 trip counts included); and a roofline step time from the chip's published
 peaks (`replicator.compiled.topology.CHIPS`). The report and the optimized HLO go to
-``WORKDIR/compile/``.
+``WORKDIR/compile[_OVERRIDES]/``.
 
 Memory: ``total = arguments + outputs - aliased (donated) + temporaries +
 generated code``, every term ``compiled.memory_analysis()``'s; parameters and
@@ -21,132 +21,86 @@ optimizer state are the per-device shard bytes of the state's ``params`` and
 argument bytes (the batch, step counters, RNG keys). When XLA itself runs out of
 memory compiling, the temporaries its error states plus the argument bytes are
 what the step needs.
+
+Nothing reads the data either: an example's shapes come from the dataset's
+metadata (`replicator.trainer.data.metadata`; a dataset of one's own without any
+is read for one example, and the report says which). So a compile, and ``launch
+tpu``'s pre-flight that runs it, needs only the config and the topology: no
+bucket, no credentials, no dataset built.
+
+Each compile's files go together into one folder keyed by the command line's
+overrides (`report_dir`), written whole: a compile with other overrides has a
+folder of its own, the same overrides replace theirs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import importlib.metadata
-import json
 import logging
 import math
+import os
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
-from replicator import storage
 from replicator.compiled import hlo as hlo
 from replicator.compiled import topology as topology
 from replicator.errors import ConfigError, TopologyError
 from replicator.parallel import diloco as diloco
 from replicator.parallel import placement as placement
 from replicator.trainer import data
+from replicator.trainer.compile_report import CompileReport as CompileReport
+from replicator.trainer.compile_report import StepReport as StepReport
+from replicator.trainer.compile_report import fit_text as fit_text
+from replicator.trainer.compile_report import overrides_of as overrides_of
+from replicator.trainer.compile_report import report_dir as report_dir
+from replicator.trainer.compile_report import summary_lines as summary_lines
+from replicator.trainer.compile_report import write_report as write_report
+from replicator.trainer.data import metadata
 from replicator.trainer.setup import Run, setup, sync_policy
 
 log = logging.getLogger("replicator")
 
 GiB = 2**30
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+STEPS = ("train", "eval", "decode")
+# Seconds between the lines that say a long compile is still going.
+HEARTBEAT_S = 30.0
+# A test's stand-in for a far-too-large program, which libtpu can answer with SIGSEGV:
+# "KEY=VALUE" makes a compile of a config whose KEY is VALUE kill itself so
+# (`compile --fit` must report such a candidate and go on).
+SIMULATE_SIGSEGV = "REPLICATOR_SIMULATE_SIGSEGV"
 
 
-@dataclasses.dataclass
-class StepReport:
-    """One compiled step, per chip.
+def canonical_accelerator(name: str) -> str:
+    """The accelerator type as the workdir names it: lower case, and ``v5litepod-N``
+    (gcloud's other name for the same slice) as ``v5e-N``.
 
-    Attributes:
-      memory: ``memory_analysis()``'s fields in bytes (empty when XLA ran out of memory).
-      breakdown: the same bytes by kind: parameters, optimizer state, other arguments,
-        outputs (not donated), temporaries, generated code.
-      total_bytes: the step's HBM need (see the module's docstring).
-      fits: whether it fits one chip's HBM.
-      flops: FLOPs per chip per step (`replicator.compiled.hlo.analyze`; None without a program).
-      hbm_bytes: HBM bytes read and written per chip per step (estimate).
-      collectives: one dict per `replicator.compiled.hlo.Collective`.
-      roofline: seconds per step bound by compute, HBM, ICI and DCN, their max and
-        the bound's name, and the MFU ceiling that implies.
-      compile_s: seconds to lower and compile.
-      notes: what was estimated or left out.
+    >>> canonical_accelerator("V5E-16"), canonical_accelerator("v5litepod-16")
+    ('v5e-16', 'v5e-16')
     """
-
-    memory: dict[str, int]
-    breakdown: dict[str, int]
-    total_bytes: int
-    fits: bool
-    flops: float | None = None
-    hbm_bytes: float | None = None
-    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    roofline: dict[str, Any] = dataclasses.field(default_factory=dict)
-    compile_s: float = 0.0
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class CompileReport:
-    """What ``compile`` found for one config on one topology (``report.json``)."""
-
-    topology: str
-    slices: int
-    chips: int
-    chip: str
-    mesh: dict[str, int]
-    dcn_mesh: dict[str, int] | None
-    hbm_per_chip_bytes: int
-    train: StepReport
-    eval: StepReport
-    versions: dict[str, str]
-    decode: dict[str, Any] | None = None  # `_compile_decode`'s report, where the experiment samples
-
-    @property
-    def fits(self) -> bool:
-        """Whether both steps fit a chip's HBM."""
-        return self.train.fits and self.eval.fits
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as ``report.json`` holds it: the train step's numbers at the top
-        level (``memory_per_chip_bytes``, ``flops_per_step`` over all chips, ...)."""
-        train = self.train
-        flops = None if train.flops is None else train.flops * self.chips * self._per_chip
-        return {
-            "topology": self.topology,
-            "slices": self.slices,
-            "chips": self.chips,
-            "chip": self.chip,
-            "mesh": self.mesh,
-            "dcn_mesh": self.dcn_mesh,
-            "fits": self.fits,
-            "memory_per_chip_bytes": max(train.total_bytes, self.eval.total_bytes),
-            "hbm_per_chip_bytes": self.hbm_per_chip_bytes,
-            "flops_per_step": flops,
-            "flops_per_step_per_chip": None if flops is None else flops / self.chips,
-            "hbm_bytes_per_step_per_chip": train.hbm_bytes,
-            "collectives": train.collectives,
-            "roofline_step_s": train.roofline.get("step_s"),
-            "mfu_ceiling": train.roofline.get("mfu_ceiling"),
-            "train_step": dataclasses.asdict(train),
-            "eval_step": dataclasses.asdict(self.eval),
-            "decode_step": self.decode,
-            "versions": self.versions,
-        }
-
-    @property
-    def _per_chip(self) -> int:
-        """JAX devices per chip (the report counts chips; TPU7x has 2 devices each)."""
-        spec = topology.chip_spec(self.chip)
-        return 1 if spec is None else spec.devices_per_chip
+    return re.sub(r"^v5litepod-", "v5e-", topology.accelerator(name).name)
 
 
 def default_workdir(config_path: str, accelerator: str, slices: int) -> str:
-    """Where ``compile`` writes without ``--workdir``: ``runs/<config>_<topology>[_xN]``.
+    """Where ``compile`` writes without ``--workdir``: ``runs/<config>_<topology>[_xN]``,
+    the topology named as `canonical_accelerator` names it.
 
-    >>> default_workdir("configs/lm_1b.py:smoke", "v5e-16", 2)
+    >>> default_workdir("configs/lm_1b.py:smoke", "V5E-16", 2)
     'runs/lm_1b_smoke_v5e-16_x2'
     """
     name = re.sub(r"\.py(?=:|$)", "", config_path.rsplit("/", 1)[-1]).replace(":", "_")
+    accelerator = canonical_accelerator(accelerator)
     return f"runs/{name}_{accelerator}" + (f"_x{slices}" if slices > 1 else "")
 
 
@@ -156,16 +110,21 @@ def compile_for_topology(
     *,
     slices: int = 1,
     workdir: str | None = None,
+    overrides: dict[str, str] | None = None,
+    steps: Sequence[str] = STEPS,
 ) -> CompileReport:
-    """Compiles ``config``'s train and eval steps for ``slices`` slices of ``accelerator``.
+    """Compiles ``config``'s steps for ``slices`` slices of ``accelerator``.
 
     Args:
       config: a training config (validated by `setup`); with ``slices > 1`` and no
         ``dcn_mesh`` it gets ``dcn_mesh={"data": slices}``.
       accelerator: a gcloud accelerator type, e.g. ``"v5p-128"``.
       slices: how many such slices (multislice over the data center network).
-      workdir: where ``compile/report.json`` and the HLO go (local or ``gs://``);
-        None writes nothing.
+      workdir: where the report and the HLO go (local or ``gs://``), in
+        `report_dir` of ``overrides``; None writes nothing.
+      overrides: the command line's ``--config.KEY=VALUE`` (already in ``config``):
+        they key the report's folder and are recorded in it.
+      steps: which of `STEPS` to compile; the train step always is.
 
     Returns:
       The `CompileReport`.
@@ -176,50 +135,94 @@ def compile_for_topology(
     """
     spec = topology.accelerator(accelerator)
     topology.check_libtpu()
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        raise ConfigError(f"steps {unknown}: compile takes {', '.join(STEPS)}")
     if slices > 1 and config.dcn_mesh is None:
         with config.unlocked():
             config.dcn_mesh = {"data": slices}
         log.info("--slices %d: dcn_mesh={'data': %d} (data parallel across the slices, "
                  "config.mesh within each)", slices, slices)  # fmt: skip
-    run = _setup(config, topology.devices(spec, slices), spec, slices)
+    start = time.perf_counter()
+    shaped = example_shapes(config)
+    run = _setup(config, topology.devices(spec, slices), spec, slices, shaped.example)
     try:
         mesh = dict(run.repl.mesh.shape)
         log.info(
-            "compiling %s for %s: %d chips of %s (%s%s), mesh %s, step_path %r",
+            "compiling %s for %s: %d chips of %s (%s%s), mesh %s, step_path %r; %s",
             config.experiment, spec.name, slices * spec.chips, spec.chip.name, spec.topology,
             f" x {slices} slices" if slices > 1 else "", _axes(mesh), config.step_path,
+            _shapes_line(shaped),
         )  # fmt: skip
-        hbm = spec.chip.usable_hbm_bytes
-        state = abstract_state(run)
-        state_bytes = state_bytes_per_device(state)
-        train_batch, eval_batch = abstract_batches(run)
-        eval_state = run.eval_state(state)
-        programs = {}
-        train = _compile_step(
-            "train", run.train_step, (state, train_batch), run, spec, hbm, state_bytes, programs
-        )
-        evaluate = _compile_step(
-            "eval", run.eval_step, (eval_state, eval_batch), run, spec, hbm,
-            state_bytes_per_device(eval_state), programs,
-        )  # fmt: skip
-        decode = _compile_decode(run, spec, hbm, eval_state, programs)
+        log.info("  the run built in %.0f s", time.perf_counter() - start)
+        train, evaluate, decode, programs = _compile_steps(run, spec, steps)
     finally:
         run.close()
     report = CompileReport(
         spec.name, slices, slices * spec.chips, spec.chip.name, mesh,
-        None if config.dcn_mesh is None else dict(config.dcn_mesh), hbm, train, evaluate,
-        _versions(), decode,
+        None if config.dcn_mesh is None else dict(config.dcn_mesh),
+        spec.chip.usable_hbm_bytes, train, evaluate, compiler_versions(), decode,
+        _shapes_line(shaped), dict(overrides or {}),
     )  # fmt: skip
     if workdir is not None:
-        write_report(report, programs, workdir)
+        write_report(report, programs, report_dir(workdir, overrides))
     return report
 
 
-def _setup(config, devices, spec: topology.Accelerator, slices: int) -> Run:
-    """The trainer's `Run` over the topology's devices; a mesh that does not fit them
-    is a `TopologyError` naming the slice."""
+def _compile_steps(run: Run, spec: topology.Accelerator, steps: Sequence[str]):
+    """The train step, and the eval and decode steps where ``steps`` names them."""
+    hbm = spec.chip.usable_hbm_bytes
+    state = abstract_state(run)
+    train_batch, eval_batch = abstract_batches(run)
+    programs: dict[str, str] = {}
+    _simulate_crash(run.config)
+    train = _compile_step(
+        "train", run.train_step, (state, train_batch), run, spec, hbm,
+        state_bytes_per_device(state), programs,
+    )  # fmt: skip
+    evaluate = decode = None
+    if "eval" in steps or "decode" in steps:
+        eval_state = run.eval_state(state)
+    if "eval" in steps:
+        evaluate = _compile_step(
+            "eval", run.eval_step, (eval_state, eval_batch), run, spec, hbm,
+            state_bytes_per_device(eval_state), programs,
+        )  # fmt: skip
+    if "decode" in steps:
+        decode = _compile_decode(run, spec, hbm, eval_state, programs)
+    return train, evaluate, decode, programs
+
+
+def example_shapes(config: ml_collections.ConfigDict) -> metadata.ShapedExample:
+    """One example shaped from the config's dataset's metadata (its experiment imported
+    first: that registers a builder of its own), or none, with the reason."""
     try:
-        return setup(config, devices=devices)
+        importlib.import_module(config.experiment)
+    except ImportError:  # `setup` says what is wrong with it, in one line, before any data
+        return metadata.ShapedExample(None, f"{config.experiment} cannot be imported")
+    return metadata.example_from_metadata(config.dataset, config.data_dir)
+
+
+def _shapes_line(shaped: metadata.ShapedExample) -> str:
+    if shaped.example is not None:
+        return shaped.how
+    return f"shapes from one example read from the dataset ({shaped.how})"
+
+
+def _simulate_crash(config: ml_collections.ConfigDict) -> None:
+    """Kills this process with SIGSEGV where `SIMULATE_SIGSEGV` names the config's value."""
+    wanted = os.environ.get(SIMULATE_SIGSEGV, "")
+    key, _, value = wanted.partition("=")
+    if key and str(config.get(key, object())) == value:
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _setup(config, devices, spec: topology.Accelerator, slices: int, example) -> Run:
+    """The trainer's `Run` over the topology's devices (``example``, where there is one,
+    standing in for the eval split); a mesh that does not fit them is a
+    `TopologyError` naming the slice."""
+    try:
+        return setup(config, devices=devices, eval_source=None if example is None else [example])
     except ConfigError as e:
         if "mesh" not in str(e).lower():
             raise
@@ -312,10 +315,14 @@ def _compile_step(
     state_bytes: dict[str, int],
     programs: dict[str, str],
 ) -> StepReport:
-    """Lowers and compiles one step; its memory, FLOPs, traffic and roofline."""
+    """Lowers and compiles one step, saying so as it goes; its memory, FLOPs, traffic
+    and roofline."""
     start = time.perf_counter()
     try:
-        compiled = step.lower(*args).compile()
+        with progress(f"lowering the {name} step"):
+            lowered = step.lower(*args)
+        with progress(f"compiling the {name} step ({spec.name}, libtpu)"):
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -369,6 +376,38 @@ def _compile_decode(run: Run, spec, hbm: int, eval_state: Any, programs: dict) -
     )
     return {"batch": batch, "slots": slots, "kv_cache_bytes_per_chip": cache_bytes,
             **dataclasses.asdict(report)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def progress(what: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Logs ``what`` as it starts, every ``every_s`` seconds while it lasts (a compile
+    of a big model takes minutes on a small CPU), and its time when it is done."""
+    log.info("  %s ...", what)
+    start, done = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log.info("  %s ... %s so far", what, _minutes(time.perf_counter() - start))
+
+    thread = threading.Thread(target=beat, name="compile-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    log.info("  %s: done in %s", what, _minutes(time.perf_counter() - start))
+
+
+def _minutes(seconds: float) -> str:
+    """``"42 s"``, ``"3 min 05 s"``.
+
+    >>> _minutes(41.6), _minutes(185)
+    ('42 s', '3 min 05 s')
+    """
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
 def memory_fields(stats: Any) -> dict[str, int]:
@@ -448,7 +487,8 @@ def _time(amount: float, rate: float | None) -> float | None:
     return amount / rate
 
 
-def _versions() -> dict[str, str]:
+def compiler_versions() -> dict[str, str]:
+    """The versions of the compiler here: jax, jaxlib and libtpu (where installed)."""
     versions = {"jax": jax.__version__}
     for package in ("jaxlib", "libtpu"):
         try:
@@ -456,132 +496,3 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return versions
-
-
-def write_report(report: CompileReport, programs: dict[str, str], workdir: str) -> str:
-    """Writes ``WORKDIR/compile/report.json`` and each step's optimized HLO beside it
-    (``train_step.hlo.txt``, ``eval_step.hlo.txt``); returns the report's path."""
-    directory = storage.join(workdir, "compile")
-    storage.makedirs(directory)
-    for name, text in programs.items():
-        storage.write_text(storage.join(directory, f"{name}_step.hlo.txt"), text)
-    path = storage.join(directory, "report.json")
-    storage.write_text(path, json.dumps(report.to_json(), indent=2) + "\n")
-    return path
-
-
-# ---------------------------------------------------------------- the console's lines
-
-
-def summary_lines(report: CompileReport) -> list[str]:
-    """What ``compile`` prints: per chip, each step's memory against HBM, then the train
-    step's FLOPs, collectives and roofline."""
-    hbm, train = report.hbm_per_chip_bytes, report.train
-    slices = f" x {report.slices} slices" if report.slices > 1 else ""
-    dcn = f", dcn_mesh {_axes(report.dcn_mesh)}" if report.dcn_mesh else ""
-    lines = [
-        f"{report.topology}{slices}: {report.chips} chips of {report.chip}, "
-        f"{hbm / GiB:.4g} GiB of HBM each; mesh {_axes(report.mesh)}{dcn}",
-        "train step, per chip:",
-        *_memory_lines(train, hbm),
-    ]
-    if train.flops is not None:
-        every = report.to_json()["flops_per_step"]
-        lines.append(f"  FLOPs                {train.flops:.3g} per step ({every:.3g} on all "
-                     f"chips); HBM traffic {_size(train.hbm_bytes)} per step")  # fmt: skip
-        lines += _collective_lines(train.collectives)
-        lines += _roofline_lines(train.roofline)
-    lines += ["eval step, per chip:", *_memory_lines(report.eval, hbm, short=True)]
-    lines += _decode_lines(report.decode, hbm)
-    lines += [f"  note: {note}" for note in dict.fromkeys(train.notes + report.eval.notes)]
-    if not report.fits:
-        lines.append(
-            "to fit: shard more (mesh fsdp), remat_policy, a smaller batch per chip with "
-            "grad_accum_steps, activation rules (docs/pods.md, 'When it does not fit')"
-        )
-    return lines
-
-
-def _memory_lines(step: StepReport, hbm: int, short: bool = False) -> list[str]:
-    rows = [f"  {k.replace('_', ' '):<21}{_size(v):>10}" for k, v in step.breakdown.items()]
-    total = f"  {'total':<21}{_size(step.total_bytes):>10}: {fit_text(step.total_bytes, hbm)}"
-    return [total] if short else [*rows, total]
-
-
-def _decode_lines(decode: dict[str, Any] | None, hbm: int) -> list[str]:
-    if decode is None:
-        return []
-    if "skipped" in decode:
-        return [f"decode step: not compiled ({decode['skipped']})"]
-    total = decode["total_bytes"]
-    return [
-        f"decode step ({decode['batch']} rows, {decode['slots']} cache slots), per chip:",
-        f"  {'KV cache':<21}{_size(decode['kv_cache_bytes_per_chip']):>10}",
-        f"  {'total':<21}{_size(total):>10}: {fit_text(total, hbm)}",
-    ]
-
-
-def fit_text(total: int, hbm: int) -> str:
-    """``"fits, 3.1 of 15.75 GiB"`` or ``"does not fit by 87 GiB"``.
-
-    >>> fit_text(int(3.1 * GiB), int(15.75 * GiB)), fit_text(103 * GiB, 16 * GiB)
-    ('fits, 3.1 of 15.75 GiB', 'does not fit by 87 GiB (needs 103 of 16 GiB)')
-    >>> fit_text(2**20, 16 * GiB)
-    'fits, 1 MiB of 16 GiB'
-    """
-    if total <= hbm:
-        used = f"{total / GiB:.3g}" if total >= GiB / 10 else _size(total)
-        return f"fits, {used} of {hbm / GiB:.4g} GiB"
-    return (
-        f"does not fit by {(total - hbm) / GiB:.3g} GiB "
-        f"(needs {total / GiB:.4g} of {hbm / GiB:.4g} GiB)"
-    )
-
-
-def _collective_lines(collectives: list[dict[str, Any]]) -> list[str]:
-    if not collectives:
-        return ["  collectives          none"]
-    lines = ["  collectives          bytes each chip sends per step (ring model):"]
-    for c in collectives:
-        axes = ",".join(c["axes"]) or "?"
-        where = "DCN" if c["dcn"] else "ICI"
-        branch = ", in a conditional branch" if c["in_branch"] else ""
-        lines.append(f"    {c['kind']:<19}over {axes:<13}{where}  {_size(c['bytes']):>10} in "
-                     f"{c['count']}{branch}")  # fmt: skip
-    return lines
-
-
-def _roofline_lines(parts: dict[str, Any]) -> list[str]:
-    if parts.get("step_s") is None:
-        return ["  roofline             unknown (no peaks for this chip)"]
-    shown = ", ".join(
-        f"{_bound(k.removesuffix('_s'))} {_duration(v)}"
-        for k, v in parts.items()
-        if k in ("compute_s", "hbm_s", "ici_s", "dcn_s") and v is not None
-    )
-    ceiling = parts["mfu_ceiling"]
-    mfu = "" if ceiling is None else f"; MFU ceiling {100 * ceiling:.0f}%"
-    step, bound = _duration(parts["step_s"]), _bound(parts["bound"])
-    missing = ", ".join(_bound(k) for k in parts.get("unknown", []))
-    left_out = f"; {missing} left out: no published bandwidth" if missing else ""
-    return [f"  roofline             {step} per step, bound by {bound} ({shown}){mfu}{left_out}"]
-
-
-def _bound(name: str) -> str:
-    return "compute" if name == "compute" else name.upper()
-
-
-def _duration(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns" if seconds else "0"
-
-
-def _size(nbytes: float | None) -> str:
-    if nbytes is None:
-        return "?"
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"

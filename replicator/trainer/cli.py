@@ -44,9 +44,10 @@ from absl import app, flags
 
 from replicator import storage
 from replicator.errors import StorageUnavailableError, UsageError, UserError
+from replicator.trainer import config as config_lib
 from replicator.trainer import config_files, sample_command
 from replicator.trainer.config_files import HELP
-from replicator.trainer.console import Console, one_line
+from replicator.trainer.console import Console, one_line, result_line
 from replicator.trainer.help_text import COMMANDS, SYNOPSIS, command_help, usage
 
 USAGE_ERROR = 2  # exit status of a mistake in the input (1: a bug, with its traceback)
@@ -54,6 +55,7 @@ STORAGE_UNAVAILABLE = 75  # EX_TEMPFAIL: the storage did not answer; rerun to re
 _RERUN = "; nothing is lost: rerun the same command once the storage answers"
 
 _CONFIG = config_files.CONFIG
+_JSON = next(holder for holder in sample_command.FLAGS if holder.name == "json")  # eval's too
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, logs and checkpoints.")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step to evaluate (default: latest).")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
@@ -107,16 +109,32 @@ _SLICES = flags.DEFINE_integer(
     "without dcn_mesh gets dcn_mesh={'data': N}).",
 )
 
+_FIT = flags.DEFINE_bool(
+    "fit",
+    False,
+    "compile: find the fastest program that fits: compile each remat policy, then more "
+    "microbatches and the optimizer state offloaded where one does not fit; a table and "
+    "the winner's overrides (replicator/trainer/fit.py).",
+)
+_FIT_JOBS = flags.DEFINE_integer(
+    "fit_jobs",
+    None,
+    "compile --fit: candidates compiled at a time (default: 1 or 2, by cores and free memory).",
+)
+_STEPS = flags.DEFINE_list(
+    "steps", ["train", "eval", "decode"], "compile: the steps to compile (the train step always)."
+)
 _FORMAT = flags.DEFINE_enum("format", None, ["hf"], "export: the format, 'hf' (Hugging Face's).")
 _OUT = flags.DEFINE_string("out", None, "export: the directory to write (new or empty).")
 
 _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
-    "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, *_COMMON),
-    "compile": (_CONFIG, _TOPOLOGY, _SLICES, _WORKDIR, _VERBOSE, _DEBUG),
+    "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, _JSON, *_COMMON),
+    "compile": (_CONFIG, _TOPOLOGY, _SLICES, _WORKDIR, _STEPS, _FIT, _FIT_JOBS, _VERBOSE, _DEBUG),
     "export": (_WORKDIR, _STEP, _FORMAT, _OUT, _VERBOSE, _DEBUG, _CPU_DEVICES),
     "sample": (_CONFIG, _WORKDIR, _STEP, *sample_command.FLAGS, _STRICT, *_COMMON),
+    "params": (_CONFIG, _VERBOSE, _DEBUG, _CPU_DEVICES),
 }
 
 
@@ -243,6 +261,9 @@ def main(argv: list[str], console: Console) -> None:
     if command == "export":
         _export(console)
         return
+    if command == "params":
+        _params(console)
+        return
     for flag in (_CONFIG, _WORKDIR):
         if flag.value is None:
             raise UsageError(f"--{flag.name} is required; see `python -m replicator {command} -h`")
@@ -269,6 +290,7 @@ def main(argv: list[str], console: Console) -> None:
         raise UsageError(f"--workdir {workdir} does not exist (a mistyped path?)")
     config = config_files.config_for(command, workdir)  # sample's: as eval's, the run's own
     config = _with_checkpoint_model(config, required=command == "train")
+    config_lib.validate(config)  # every key, the experiment's too: before the workdir is touched
     if command == "train":
         config_files.check_workdir(config, workdir, force=_FORCE.value)
     console.log_to(workdir, jax.process_index(), " ".join(sys.argv[1:]), create=command == "train")
@@ -303,15 +325,20 @@ def _train(config, workdir: str, console: Console, chief: bool) -> None:
 def _eval(config, workdir: str, console: Console, chief: bool) -> None:
     from replicator import trainer
 
-    if _FOLLOW.value:  # one JSON line per result, as it comes
-        show = (lambda result: console.print(json.dumps(result))) if chief else (lambda _: None)
+    split = config.get("eval_split", "test")
+
+    # A line for a person at a terminal; one JSON line (DESIGN's contract) wherever the
+    # output goes to a program or a file, or with --json.
+    as_json = _JSON.value or not console.out.isatty()
+
+    def show(result: dict) -> None:
+        if chief:
+            console.print(json.dumps(result) if as_json else result_line(result, split))
+
+    if _FOLLOW.value:  # a line per result, as it comes
         trainer.follow(config, workdir, timeout_s=_FOLLOW_TIMEOUT.value, on_result=show)
         return
-    result = trainer.evaluate(
-        config, workdir, step=_STEP.value, strict=_STRICT.value, ema=_EMA.value
-    )
-    if chief:
-        console.print(json.dumps(result))
+    show(trainer.evaluate(config, workdir, step=_STEP.value, strict=_STRICT.value, ema=_EMA.value))
 
 
 def _compile(console: Console) -> None:
@@ -342,11 +369,20 @@ def _compile(console: Console) -> None:
     elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
     config = _with_checkpoint_model(config_files.config_for("compile", workdir))
+    overrides = aot.overrides_of(config_files.overrides_text())
+    if _FIT.value:
+        from replicator.trainer import fit
+
+        if not fit.main(config, config_file, overrides, _TOPOLOGY.value, _SLICES.value,
+                        workdir, _FIT_JOBS.value, console):  # fmt: skip
+            sys.exit(USAGE_ERROR)
+        return
     report = aot.compile_for_topology(
-        config, _TOPOLOGY.value, slices=_SLICES.value, workdir=workdir
-    )
+        config, _TOPOLOGY.value, slices=_SLICES.value, workdir=workdir, overrides=overrides,
+        steps=_STEPS.value,
+    )  # fmt: skip
     # The log joins the report only now: a config refused on the way leaves no directory.
-    where = storage.join(workdir, "compile")
+    where = aot.report_dir(workdir, overrides)
     console.log_to(where, 0, " ".join(sys.argv[1:]), create=True)
     for line in aot.summary_lines(report):
         console.print(line)
@@ -376,6 +412,20 @@ def _export(console: Console) -> None:
 
     exported = export.export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value)
     console.print(exported.report())
+
+
+def _params(console: Console) -> None:
+    """``params``: the config's parameter paths, shapes and optimizer keys
+    (`replicator.trainer.params_command`); nothing trained or written."""
+    if _CONFIG.value is None:
+        raise UsageError("--config is required; see `python -m replicator params -h`")
+    import jax
+
+    if _CPU_DEVICES.value:
+        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    from replicator.trainer import params_command
+
+    params_command.main(config_files.config_for("params", ""), console)
 
 
 def _plot(argv: list[str]) -> None:

@@ -2,11 +2,17 @@
 
 Configs are plain Python files whose ``get_config()`` starts from `base_config`
 (every key below with its default, so every key can be overridden from the
-command line on every config) and sets what its experiment needs; absl's
-``--config.key=value`` overrides are type-checked by ml_collections. `validate`
-checks the rest: every required key is set, no key is unknown (a typo must not
-silently fall back to a default), every value has the right type and range.
-Only the trainer reads configs.
+command line on every config) and sets what its experiment needs. `SCHEMA` holds
+the keys every experiment shares; an experiment declares its own (top-level
+keys, the keys of its ``model`` dict, the mesh axes it uses) as
+`replicator.trainer.ConfigKeys` in its module's ``CONFIG_KEYS``, and `complete`
+adds them, with their defaults, to a config as it is read, so that
+``--config.model.num_experts=4`` or ``--config.mesh.stage=2`` can be given for
+any of them. absl's ``--config.key=value`` overrides are type-checked by
+ml_collections. `validate` checks the rest, the trainer's keys and the
+experiment's together: every required key is set, no key is unknown (a typo must
+not silently fall back to a default), every value has the right type and range,
+and the experiment's own ``check`` passes. Only the trainer reads configs.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from ml_collections.config_dict import placeholder
 
 from replicator import storage
 from replicator.errors import ConfigError as ConfigError
+from replicator.parallel import mesh as mesh_lib
 from replicator.parallel import sharding as sharding
-from replicator.step import remat as remat
+from replicator.trainer.experiment import ConfigKeys, KeyTable, declared_beside, load_config_keys
 
 _REQUIRED = object()
 
@@ -35,7 +42,11 @@ _REQUIRED = object()
 SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     # What to train.
     "experiment": ((str,), _REQUIRED, "dotted module path of the experiment"),
-    "model": ((dict,), _REQUIRED, "keyword arguments of the experiment's make_experiment"),
+    "model": (
+        (dict,),
+        _REQUIRED,
+        "the experiment's model keys (train --help --config FILE lists them)",
+    ),
     "dataset": (
         (str,),
         _REQUIRED,
@@ -47,19 +58,6 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         None,
         "tfds data_dir (None: $TFDS_DATA_DIR or ~/tensorflow_datasets); passed to a data "
         "function that takes data_dir",
-    ),
-    "tokenizer": (
-        (str,),
-        "bytes",
-        "the LM's tokenizer: 'bytes', or a local HF tokenizer.json, sentencepiece .model or "
-        "tiktoken BPE file (PATH:PRESET picks its split pattern); the data must be tokenized "
-        "with it (a text dataset's tokenizer=...)",
-    ),
-    "pack_documents": (
-        (bool,),
-        False,
-        "the LM's windows hold several documents (each ending in the tokenizer's eos_id): "
-        "attention and positions restart at each, no token predicts the next document's first",
     ),
     "train_split": ((str,), "train", "split to train on"),
     "eval_split": ((str,), "test", "split to evaluate on"),
@@ -162,32 +160,6 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
         "parameters with fewer elements get no automatic FSDP (0: shard all)",
     ),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
-    "remat_policy": (
-        (str, None),
-        None,
-        "which activations the backward pass keeps (replicator.step.remat, MaxText's names): "
-        "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
-        "'minimal_offloaded'",
-    ),
-    "pipeline_microbatches": (
-        (int, None),
-        None,
-        "pieces a pipeline (mesh axis 'stage', rp.pipeline) cuts the batch into (None: one "
-        "per stage)",
-    ),
-    "pipeline_repeats": ((int,), 1, "1: a GPipe schedule; more: a circular one (rounds per batch)"),
-    "context_strategy": (
-        (str,),
-        "gather",
-        "attention over a sequence split on mesh axis 'context' (rp.context_attention): "
-        "'gather' (all-gather keys and values) or 'ring' (pass them round the ring)",
-    ),
-    "context_load_balance": (
-        (bool,),
-        False,
-        "reorder each sequence so the 'context' shards share the causal work evenly "
-        "(the length must divide by 2 x the axis size)",
-    ),
     "offload_optimizer_state": (
         (bool,),
         False,
@@ -224,21 +196,11 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
 }
 
 MINIMUM = {
-    "batch_size": 1,
-    "eval_batch_size": 1,
-    "num_train_steps": 1,
-    "grad_accum_steps": 1,
-    "log_every_steps": 1,
-    "eval_every_steps": 1,
-    "checkpoint_every_steps": 1,
-    "keep_checkpoints": 1,
-    "keep_best_checkpoints": 0,
-    "seed": 0,
-    "fsdp_min_size": 0,
-    "warmup_steps": 0,
-    "weight_decay": 0.0,
-    "lr_base_batch_size": 1,
-}
+    "batch_size": 1, "eval_batch_size": 1, "num_train_steps": 1, "grad_accum_steps": 1,
+    "log_every_steps": 1, "eval_every_steps": 1, "checkpoint_every_steps": 1,
+    "keep_checkpoints": 1, "keep_best_checkpoints": 0, "seed": 0, "fsdp_min_size": 0,
+    "warmup_steps": 0, "weight_decay": 0.0, "lr_base_batch_size": 1,
+}  # fmt: skip
 
 CHOICES = {
     "step_path": ("run", "compile"),
@@ -256,7 +218,7 @@ CHOICES = {
         "bfloat16",
         "tensorfloat32",
         "float32",
-    ),
+    ),  # fmt: skip
 }
 
 
@@ -275,18 +237,7 @@ def base_config(mode: str = "", modes: tuple[str, ...] = ("smoke",)) -> ml_colle
     if mode and mode not in modes:
         raise ConfigError(f"unknown config mode {mode!r}; this config's modes: {', '.join(modes)}")
     c = ml_collections.ConfigDict()
-    for key, (types, default, _) in SCHEMA.items():
-        if default is _REQUIRED:
-            continue
-        if default is None and (dict in types or tuple in types):
-            # None until set, by a config file (a dict or ConfigDict, whose keys
-            # --config.k.sub=v then overrides) or on the command line as a Python
-            # literal: --config.k="{'sub': 1}".
-            setattr(c, key, placeholder(object))
-        elif default is None:  # None, yet overridable with a value of the key's type
-            setattr(c, key, placeholder(next(t for t in types if t is not None)))
-        else:
-            setattr(c, key, default)
+    _add_keys(c, {key: row for key, row in SCHEMA.items() if row[1] is not _REQUIRED})
     return c
 
 
@@ -325,51 +276,147 @@ def config_beside(config_file: str, name: str, mode: str = "") -> ml_collections
     return module.get_config(mode)
 
 
-def describe_keys() -> list[tuple[str, str, str]]:
-    """``(key, default, meaning)`` for every key, for ``train --help``."""
-    rows = []
-    for key, (_, default, meaning) in SCHEMA.items():
-        shown = "(required)" if default is _REQUIRED else repr(default)
-        rows.append((key, shown, meaning))
-    return rows
+def experiment_keys(experiment: Any) -> ConfigKeys:
+    """The `ConfigKeys` the module named ``experiment`` declares (`load_config_keys`),
+    which may not redeclare a key of the trainer's.
+
+    >>> sorted(experiment_keys("experiments.lm").mesh_axes)
+    ['context', 'expert', 'stage']
+    """
+    keys = load_config_keys(experiment)
+    if set(keys.options) & set(SCHEMA):
+        raise TypeError(f"{experiment}.CONFIG_KEYS declares the trainer's own keys")
+    return keys
+
+
+def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Adds to ``config`` (in place, unlocked for it) every key its experiment declares
+    and the config lacks, at its default, ``model``'s included, and every mesh axis the
+    experiment declares (``stage``, ...; size 1: none), so that the command line can
+    override each; a declared key at None gets its type (a `placeholder`). Returns
+    ``config``.
+
+    >>> c = base_config()
+    >>> c.experiment, c.model = "experiments.lm", {"num_layers": 2}
+    >>> c = complete(c)
+    >>> c.remat_policy, c.model.num_layers, c.model.num_heads, c.mesh.to_dict()
+    (None, 2, 12, {'context': 1, 'data': -1, 'expert': 1, 'stage': 1})
+    """
+    keys = experiment_keys(config.get("experiment"))
+    with config.unlocked():
+        _add_keys(config, keys.options)
+        if keys.model is not None and isinstance(config.get("model"), ml_collections.ConfigDict):
+            _add_keys(config.model, keys.model)
+        if isinstance(config.get("mesh"), ml_collections.ConfigDict):
+            for axis in keys.mesh_axes:
+                if axis not in config.mesh:
+                    config.mesh[axis] = 1  # (no axis: `validate` drops it again)
+    return config
+
+
+def _add_keys(config: ml_collections.ConfigDict, table: KeyTable) -> None:
+    """Adds each key of ``table`` that ``config`` lacks, at its default. A key at None gets
+    a type (a `placeholder`) for an override to be read as: its own, or any for a dict or
+    tuple key (given as a Python literal, --config.k="{'sub': 1}", or set by a file as a
+    dict whose keys --config.k.sub=v then overrides)."""
+    for key, (types, default, _) in table.items():
+        if config.get(key, default) is not None:
+            if key not in config:
+                config[key] = default
+            continue
+        kind = object if dict in types or tuple in types else next(t for t in types if t)
+        try:
+            config[key] = placeholder(kind)
+        except TypeError:
+            pass  # typed already: a placeholder of the file's
+
+
+def describe_keys(keys: ConfigKeys | None = None) -> list[tuple[str, str, str]]:
+    """``(key, default, meaning)`` for every key of the trainer's, for ``train --help``, and
+    with an experiment's ``keys`` its own (``model.KEY`` for its model's) after them."""
+    tables = [("", SCHEMA)]
+    if keys is not None:
+        tables += [("", keys.options), ("model.", keys.model or {})]
+    return [
+        (prefix + key, "(required)" if default is _REQUIRED else repr(default), meaning)
+        for prefix, table in tables
+        for key, (_, default, meaning) in table.items()
+    ]
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks ``config`` against `SCHEMA` and fills in the optional keys' defaults.
+    """Checks ``config`` against `SCHEMA` and its experiment's `ConfigKeys`, and fills in
+    the optional keys' defaults.
 
     Args:
       config: a training config.
 
     Returns:
-      A copy with defaults filled in.
+      A copy with defaults filled in (the experiment's keys and model keys too).
 
     Raises:
       ConfigError: naming every unknown, missing or mistyped key (with the closest
-        known key for a likely typo) and every out-of-range value.
+        known key for a likely typo, or the experiment beside that declares it), every
+        out-of-range value, a mesh axis the experiment does not use, and what the
+        experiment's ``check`` finds.
     """
     values = config.to_dict()
+    keys = experiment_keys(values.get("experiment"))
+    problems = _table_problems(values, {**SCHEMA, **keys.options}, "", values.get("experiment"))
+    if keys.model is not None and isinstance(values.get("model"), dict):
+        problems += _table_problems(values["model"], keys.model, "model.", None)
+    if not problems:
+        problems += _range_problems(values) + _library_problems(values)
+    if not problems:
+        problems += _mesh_problems(values, keys) + list(keys.check(values) if keys.check else ())
+    if problems:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
+    # An optional axis of size 1 is no axis (`complete` adds them, to be overridden).
+    optional = mesh_lib.OPTIONAL_AXES
+    values["mesh"] = {a: n for a, n in values["mesh"].items() if a not in optional or n != 1}
+    return ml_collections.ConfigDict(values)
+
+
+def _table_problems(values: dict, table: KeyTable, prefix: str, experiment: Any) -> list[str]:
+    """Unknown, missing and mistyped keys of ``values`` (defaults filled in, in place)."""
     problems = []
-    for key in sorted(set(values) - set(SCHEMA)):
-        close = difflib.get_close_matches(key, SCHEMA, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.append(f"unknown key {key!r}{hint}")
-    for key, (types, default, _) in SCHEMA.items():
+    for key in sorted(set(values) - set(table)):
+        close = difflib.get_close_matches(key, table, n=1)
+        owned = not close and isinstance(experiment, str)
+        found = declared_beside(experiment, key) if owned else []
+        hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+        hint = f" ({experiment} has no such key; {', '.join(found)} has)" if found else hint
+        problems.append(f"unknown key {prefix + key!r}{hint}")
+    for key, (types, default, _) in table.items():
         if None in types and values.get(key) == "None":
             values[key] = None  # --config.precision=None: a str key's override is a str
         if key not in values:
             if default is _REQUIRED:
-                problems.append(f"missing required key {key!r}")
+                problems.append(f"missing required key {prefix + key!r}")
             else:
                 values[key] = default
             continue
-        problem = _type_problem(key, values[key], types)
+        problem = _type_problem(prefix + key, values[key], types)
         if problem:
             problems.append(problem)
-    if not problems:
-        problems += _range_problems(values) + _library_problems(values)
-    if problems:
-        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
-    return ml_collections.ConfigDict(values)
+    return problems
+
+
+def _mesh_problems(values: dict[str, Any], keys: ConfigKeys) -> list[str]:
+    """Mesh axes (beyond data, fsdp, tensor) the experiment does not declare, above size 1."""
+    usable = (*mesh_lib.MESH_AXES, *keys.mesh_axes)
+    problems = []
+    for name in ("mesh", "dcn_mesh"):
+        for axis, size in (values[name] or {}).items():
+            if axis in usable or size == 1:
+                continue
+            found = declared_beside(values["experiment"], axis, "mesh_axes")
+            hint = f"; {', '.join(found)} does" if found else ""
+            problems.append(
+                f"{name!r} has axis {axis!r} of size {size}, which {values['experiment']} does "
+                f"not use (its axes: {', '.join(usable)}){hint}"
+            )
+    return problems
 
 
 def _type_problem(key: str, value: Any, types: tuple) -> str | None:
@@ -428,19 +475,6 @@ def _optimizer_problems(values: dict[str, Any]) -> list[str]:
         )
     if not 0.0 <= values["lr_end_fraction"] <= 1.0:
         problems.append(f"'lr_end_fraction' must be in [0, 1], got {values['lr_end_fraction']}")
-    if values["remat_policy"] not in remat.REMAT_POLICIES:
-        problems.append(
-            f"'remat_policy'={values['remat_policy']!r} is not one of {remat.REMAT_POLICIES}"
-        )
-    micro, repeats = values["pipeline_microbatches"], values["pipeline_repeats"]
-    if (micro is not None and micro < 1) or repeats < 1:
-        problems.append(
-            f"'pipeline_microbatches'={micro} and 'pipeline_repeats'={repeats} must be >= 1"
-        )
-    if values["context_strategy"] not in ("gather", "ring"):
-        problems.append(
-            f"'context_strategy'={values['context_strategy']!r} is not 'gather' or 'ring'"
-        )
     if values["offload_optimizer_state"] and values["step_path"] != "compile":
         problems.append(
             "'offload_optimizer_state' needs step_path='compile' (the global view moves the "
@@ -568,6 +602,34 @@ def read_saved(workdir: str) -> dict | None:
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a {type(saved).__name__}, not a run's config")
     return saved
+
+
+# Keys every config had, at these defaults, before they became the LM's own: a run saved
+# then holds them whatever its experiment (`from_saved` drops them where it has none).
+_NOW_THE_LMS = {
+    "tokenizer": "bytes", "pack_documents": False, "remat_policy": None,
+    "pipeline_microbatches": None, "pipeline_repeats": 1, "context_strategy": "gather",
+    "context_load_balance": False,
+}  # fmt: skip
+
+
+def from_saved(saved: dict) -> ml_collections.ConfigDict:
+    """A run's saved config (`read_saved`) as a config whose every key can be overridden
+    as in a config file: `base_config`'s and the experiment's keys keep their types
+    when saved as None (`complete`).
+
+    >>> config = from_saved({"experiment": "experiments.gan", "model": {}, "tokenizer": "bytes"})
+    >>> "tokenizer" in config, config.model.noise
+    (False, 'replica')
+    """
+    config = base_config()
+    declared = experiment_keys(saved.get("experiment")).options
+    for key, value in saved.items():
+        if key in _NOW_THE_LMS and key not in declared and value == _NOW_THE_LMS[key]:
+            continue
+        if value is not None or key not in config:
+            config[key] = value
+    return complete(config)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

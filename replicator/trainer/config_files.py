@@ -8,7 +8,11 @@ this (a missing file, an unknown key, a value of the wrong type, a workdir that
 holds another experiment) is a `UsageError` or a `ConfigError`, in one line.
 
 A config file is read by `read_config_file`: its ``get_config()`` returns an
-``ml_collections.ConfigDict`` (a plain dict is taken as one). A file that is not
+``ml_collections.ConfigDict`` (a plain dict is taken as one), to which the keys
+its experiment declares are added at their defaults (`config_lib.complete`), so
+that ``--config.model.num_experts=4`` or ``--config.mesh.stage=2`` is an override
+like any other; a key that is still unknown is one line with the closest key, or
+the experiment beside that declares it. A file that is not
 there, does not compile, fails on import, has no ``get_config``, calls it with
 the wrong arguments or returns something else is one line naming the file. An
 exception in the file's own code is the user's bug, not replicator's: the line
@@ -50,6 +54,7 @@ from replicator import storage
 from replicator.errors import ConfigError, UsageError, UserError
 from replicator.trainer import config as config_lib
 from replicator.trainer.console import one_line
+from replicator.trainer.experiment import declared_beside
 
 FLAGS = flags.FLAGS
 HELP = ("-h", "--help", "-help", "--helpshort", "help")
@@ -186,8 +191,23 @@ def read_config_file(path: str, *args: str) -> ml_collections.ConfigDict:
             f"config file {path!r}: get_config() returned {shown}, not a config; "
             "it must return an ml_collections.ConfigDict (or a dict)"
         )
+    _complete(config, path)
     config.lock()
     return config
+
+
+def _complete(config: ml_collections.ConfigDict, path: str) -> None:
+    """The experiment's keys added to ``config`` (`config_lib.complete`), so that the
+    command line can override each; an experiment that fails to import, in one line."""
+    try:
+        config_lib.complete(config)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the experiment's code: any bug at all)
+        raise ConfigError(
+            f"config file {path!r}: config.experiment={config.get('experiment')!r} failed to "
+            f"import: {_described(e)}"
+        ) from e
 
 
 def _load_config_module(path: str) -> Any:
@@ -307,9 +327,10 @@ _NULLED: list[str] = []  # keys given as --config.KEY=None (see `take_nulled`)
 
 
 def take_nulled(argv: list[str]) -> list[str]:
-    """``argv`` without its ``--config.KEY=None`` for keys that may be None, which
-    `config_for` then sets to None: ml_collections cannot parse None for a key of
-    another type (``ema_decay`` is a float, or None for no EMA).
+    """``argv`` without its ``--config.KEY=None`` (``KEY`` may be nested: ``model.mlp_dim``),
+    which `config_for` then sets to None: ml_collections cannot parse None for a key of
+    another type (``ema_decay`` is a float, or None for no EMA); `config_lib.validate`
+    says whether the key may be None.
 
     >>> take_nulled(["train", "--config.ema_decay=None", "--config.seed=1"]), _NULLED
     (['train', '--config.seed=1'], ['ema_decay'])
@@ -317,18 +338,27 @@ def take_nulled(argv: list[str]) -> list[str]:
     """
     _NULLED.clear()
     kept = []
-    for arg in argv:
-        key, _, value = arg.removeprefix("--config.").partition("=")
-        if arg.startswith("--config.") and value == "None" and _may_be_none(key):
-            _NULLED.append(key)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return kept + argv[i:]
+        nulled = re.fullmatch(r"--?config\.([\w.]+)=None", arg)
+        if nulled:
+            _NULLED.append(nulled.group(1))
         else:
             kept.append(arg)
     return kept
 
 
-def _may_be_none(key: str) -> bool:
-    schema = config_lib.SCHEMA.get(key)
-    return schema is not None and None in schema[0]
+def _set_nulled(config: ml_collections.ConfigDict) -> None:
+    """Sets each `take_nulled` key of ``config`` to None; one that it lacks, in one line."""
+    for key in _NULLED:
+        *parents, last = key.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+        if not isinstance(node, ml_collections.ConfigDict) or last not in node:
+            raise _unknown_key(last, [*sys.argv, f"--config.{key}=None"])
+        node[last] = None
 
 
 def write_overrides_as_literals(argv: list[str]) -> list[str]:
@@ -433,8 +463,7 @@ def config_for(command: str, workdir: str) -> ml_collections.ConfigDict:
     """train: the config file with its overrides. eval: the run's saved config with the
     command line's overrides on top (the file's only when the run saved none)."""
     config, note = _resolve(command, workdir)
-    for key in _NULLED:
-        config[key] = None
+    _set_nulled(config)
     check_importable(config, workdir)  # before the note: a mistake stays one line
     if note:
         log.info("%s", note)
@@ -478,7 +507,7 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str, *, force: boo
     current = config.to_dict()
     # A key the run's config lacks came with a newer config file: no change unless
     # overridden now (a different state would not restore anyway, with its own error).
-    overridden = set(config_flags.get_override_values(FLAGS["config"]))
+    overridden = {*config_flags.get_override_values(FLAGS["config"]), *_NULLED}
     changes = config_lib.config_differences(
         {k: saved.get(k) for k in keys},
         {k: current.get(k) for k in keys},
@@ -546,18 +575,31 @@ def flag_error(error: BaseException, argv: list[str]) -> UserError:
 
 def _unknown_key(key: str, argv: list[str], close: str | None = None) -> UsageError:
     """One line for an override naming no key: the key's whole dotted name (ml_collections
-    names its last part only) and the closest key there is."""
+    names its last part only), and the closest key there is, or the experiment beside
+    the config's that has it (a key of the LM's given to the classifiers)."""
     prefix = ""
     for arg in argv:
         path = re.match(r"-?-config\.([\w.]+)", arg)
         if path and path.group(1).split(".")[-1] == key:
             prefix = path.group(1)[: -len(key)]
+    parent = prefix.rstrip(".")
+    config = _config_of_the_file(argv)
+    known = _keys_under(config, parent)
+    experiment = config.get("experiment") if config is not None else None
+    if isinstance(experiment, str) and parent in ("", "mesh"):
+        field = "mesh_axes" if parent else "options"
+        owners = declared_beside(experiment, key, field)
+        if owners:
+            what = "mesh axis" if parent else "key"
+            return UsageError(
+                f"unknown config key {prefix + key!r}: {experiment} has no {what} {key!r}; "
+                f"{', '.join(owners)} has"
+            )
     if close is None:
-        known = _keys_of_the_file(argv, prefix.rstrip("."))
         matches = difflib.get_close_matches(key, known, n=1)
         close = matches[0] if matches else None
         if close is None and known:
-            where = f"config.{prefix.rstrip('.')}" if prefix else "the config"
+            where = f"config.{parent}" if parent else "the config"
             return UsageError(
                 f"unknown config key {prefix + key!r} ({where} has {', '.join(sorted(known))})"
             )
@@ -565,19 +607,23 @@ def _unknown_key(key: str, argv: list[str], close: str | None = None) -> UsageEr
     return UsageError(f"unknown config key {prefix + key!r}{hint}")
 
 
-def _keys_of_the_file(argv: list[str], parent: str) -> list[str]:
-    """The keys under ``parent`` in the ``--config`` file's config, or [] if unreadable."""
+def _config_of_the_file(argv: list[str]) -> ml_collections.ConfigDict | None:
+    """The ``--config`` file's config, with its experiment's keys, or None if unreadable."""
     value = argv_value(argv, "config")
     if value is None:
-        return []
-    path, _, mode = value.partition(":")
+        return None
+    path, colon, mode = value.partition(":")
     try:
-        config = config_lib.config_beside(os.path.abspath(path), os.path.basename(path), mode)
-        for part in filter(None, parent.split(".")):
-            config = config[part]
-        return list(config.keys())
+        return read_config_file(path, *([mode] if colon else []))
     except Exception:  # noqa: BLE001  (a hint only: the error line stands without it)
-        return []
+        return None
+
+
+def _keys_under(config: ml_collections.ConfigDict | None, parent: str) -> list[str]:
+    """The keys under the dotted ``parent`` of ``config`` ([] if there are none)."""
+    for part in filter(None, parent.split(".")):
+        config = config.get(part) if isinstance(config, ml_collections.ConfigDict) else None
+    return list(config.keys()) if isinstance(config, ml_collections.ConfigDict) else []
 
 
 def _override_error(text: str) -> UsageError | None:
@@ -623,3 +669,5 @@ def parse_for_help(argv: list[str]) -> None:
         FLAGS(rest)
     except Exception as e:  # noqa: BLE001  (absl's and the config file's own errors)
         raise flag_error(e, argv) from e
+    if FLAGS["config"].value is not None:
+        _set_nulled(FLAGS["config"].value)

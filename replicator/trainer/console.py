@@ -16,6 +16,8 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 from absl import logging as absl_logging
 
@@ -177,6 +179,62 @@ class Console:
         caller = frame.f_globals.get("__name__", "") if frame is not None else ""
         if caller == "replicator" or caller.startswith("replicator."):
             self.err.write(f"warning: {message}\n")  # the library's advice to the user
+
+
+def result_line(result: Mapping[str, Any], split: str) -> str:
+    """An eval result as ``eval`` prints it for a person (``--json``: as JSON).
+
+    >>> result_line({"step": 1200, "loss": 0.11276, "accuracy": 0.96111, "num_examples": 360},
+    ...             "test")
+    'test metrics of step 1200: loss 0.1128, accuracy 0.9611 (360 examples)'
+    """
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float))
+    examples = result.get("num_examples")
+    return f"{split} metrics of step {result.get('step')}: {shown}" + (
+        f" ({examples:,} examples)" if isinstance(examples, int) else ""
+    )
+
+
+def parallelism_line(config: Mapping[str, Any], mesh: Mapping[str, int]) -> str | None:
+    """What a run splits beyond data parallelism, for its start: the pipeline, sequence
+    and expert axes of ``mesh`` with the keys that shape them, and a mixture of experts
+    (the LM's ``model.num_experts``), which else shows only in its ``dropped_fraction``.
+    None when there is none of these.
+
+    >>> parallelism_line({"context_strategy": "ring", "context_load_balance": True},
+    ...                  {"data": 2, "context": 4})
+    "parallelism: sequences split over 'context' (4 devices), attention 'ring', load-balanced"
+    >>> parallelism_line({"model": {"num_experts": 8, "experts_per_token": 2}}, {"data": 8})
+    'parallelism: a mixture of 8 experts (2 per token) in every block, experts replicated'
+    """
+    parts = []
+    if mesh.get("stage", 1) > 1:
+        microbatches = config.get("pipeline_microbatches") or mesh["stage"]
+        repeats = config.get("pipeline_repeats") or 1
+        parts.append(
+            f"a pipeline of {mesh['stage']} stages over 'stage', {microbatches} microbatches"
+            + (f", {repeats} repeats (circular)" if repeats > 1 else "")
+        )
+    if mesh.get("context", 1) > 1:
+        balanced = ", load-balanced" if config.get("context_load_balance") else ""
+        parts.append(
+            f"sequences split over 'context' ({mesh['context']} devices), attention "
+            f"{config.get('context_strategy', 'gather')!r}{balanced}"
+        )
+    model = config.get("model") or {}
+    experts = model.get("num_experts") if isinstance(model, Mapping) else None
+    if experts:
+        every = model.get("moe_every") or 1
+        where = "every block" if every == 1 else f"one block in {every}"
+        capacity = model.get("expert_capacity_factor")
+        split = mesh.get("expert", 1)
+        parts.append(
+            f"a mixture of {experts} experts ({model.get('experts_per_token', 1)} per token"
+            + (f", capacity factor {capacity:g}" if capacity is not None else "")
+            + f") in {where}, "
+            + (f"split over 'expert' ({split} devices)" if split > 1 else "experts replicated")
+        )
+    return f"parallelism: {'; '.join(parts)}" if parts else None
 
 
 def one_line(text: str, items_shown: int = 3) -> str:

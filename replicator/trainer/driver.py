@@ -25,6 +25,7 @@ from replicator.trainer import actions as act
 from replicator.trainer import aot, init_from, lease, pretrained
 from replicator.trainer import config as config_lib
 from replicator.trainer.config import config_differences
+from replicator.trainer.console import parallelism_line
 from replicator.trainer.evaluator import eval_views, evaluate_views
 from replicator.trainer.instruments import ProgressBar, Stopwatch, summarize_run
 from replicator.trainer.optimizer import describe
@@ -99,6 +100,9 @@ def _train(config, workdir, preemption, held, *, quiet, devices, strict) -> dict
     actions = _actions(run, workdir, watch, writer, progress, checkpoints, batches, preemption,
                        start)  # fmt: skip
     log.info("%s on %s", config.experiment, repl)
+    split = parallelism_line(config.to_dict(), dict(repl.mesh.shape))  # context, MoE, stages
+    if split:
+        log.info("%s", split)
     params = train_params(run.abstract_state)
     log.info("%s", describe(run.optimizer_spec, params[0] if len(params) == 1 else params))
 
@@ -167,6 +171,7 @@ def _actions(run: Run, workdir, watch, writer, progress, checkpoints, batches, p
 
     def evaluate(state, step: int) -> dict[str, Any]:
         wait(state)
+        log_train.close()  # this step's train line before its eval's (the wait made it free)
         with watch.time("eval"):
             return _evaluate_and_write(run, writer, state, step, workdir)
 

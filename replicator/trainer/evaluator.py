@@ -87,17 +87,11 @@ def evaluate_views(run: Run, views: dict[str, Any]) -> dict[str, Any]:
 def run_config(workdir: str) -> ml_collections.ConfigDict | None:
     """The config a training run saved in ``WORKDIR/config.json``, or None if there is none.
 
-    Every key is overridable as in a config file: keys saved as None keep the type
-    of their `config_lib.base_config` placeholder.
+    Every key is overridable as in a config file (`config_lib.from_saved`): keys saved
+    as None keep their types, the experiment's own included.
     """
     saved = config_lib.read_saved(workdir)
-    if saved is None:
-        return None
-    config = config_lib.base_config()
-    for key, value in saved.items():
-        if value is not None or key not in config:
-            config[key] = value
-    return config
+    return None if saved is None else config_lib.from_saved(saved)
 
 
 class Evaluator:
@@ -148,6 +142,40 @@ class Evaluator:
     def close(self) -> None:
         self.checkpoints.close()
         self.run.close()
+
+
+def restore_params(
+    run: Run, workdir: str, *, step: int | None = None, strict: bool = False
+) -> tuple[Any, int] | None:
+    """The parameters of a run's checkpoint, alone, on ``run``'s shardings (what ``sample``
+    and ``export`` read): the eval state's ``params``, nothing else read.
+
+    Args:
+      run: set up from the run's config (`setup` with ``training=False``), on the
+        devices to restore onto.
+      workdir: the training run's directory.
+      step: the checkpoint's step; None: the newest readable one.
+      strict: with ``step=None``, fail on an unreadable newest checkpoint instead of
+        falling back to an older one (`Checkpoints.restore`).
+
+    Returns:
+      ``(params, step)``, or None where ``workdir`` holds no checkpoint.
+
+    Raises:
+      CheckpointNotFoundError: no checkpoint ``step``.
+    """
+    directory = storage.join(workdir, "checkpoints")
+    if not storage.exists(directory):
+        return None
+    checkpoints = Checkpoints(directory, run.repl, read_only=True)
+    try:
+        if checkpoints.latest_step() is None:
+            return None
+        like = {"params": run.experiment.eval_state(run.abstract_state)["params"]}
+        restored = checkpoints.restore(like=like, step=step, strict=strict, partial=True)
+        return restored["params"], checkpoints.restored_step
+    finally:
+        checkpoints.close()
 
 
 def _picked(abstract: Any, pick) -> tuple[Any, Any]:

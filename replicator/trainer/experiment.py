@@ -5,7 +5,9 @@ the module has ``make_experiment(settings) -> Experiment``. The trainer never
 imports ``experiments/`` itself and knows no metric by name: the experiment
 supplies its preprocessing, its initial state (one or several parameter sets
 and optimizers: a GAN has two), its train and eval steps, and how the steps'
-*sums* become the reported metrics.
+*sums* become the reported metrics. Its config keys beyond the trainer's (the
+LM's ``remat_policy``, its ``model`` keys, the mesh axes it can use) it declares
+itself, as `ConfigKeys`: the trainer knows no task's key by name either.
 
 Sums are what make metrics exact on any number of devices, processes and
 batches: every leaf a step returns is a sum over examples (a total loss, a count
@@ -18,6 +20,9 @@ divide, on the host, in `Experiment.summarize`. Padded eval examples carry
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,13 +30,94 @@ import jax.numpy as jnp
 import optax
 
 import replicator as rp
-from replicator.errors import ConfigError
 from replicator.parallel.diloco import DiLoCo
 from replicator.replicator import Replicator
 from replicator.trainer.optimizer import OptimizerSpec, make_optimizer
 
 PyTree = Any
 Batch = Mapping[str, Any]
+
+
+# A key's declaration: (allowed types, default, meaning); None in the types allows None.
+KeyTable = Mapping[str, tuple[tuple, Any, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKeys:
+    """The config keys an experiment adds to the trainer's, in one place.
+
+    An experiment module declares them as ``CONFIG_KEYS = ConfigKeys(...)``;
+    `replicator.trainer.config` reads it to fill in defaults (so that every key,
+    ``model``'s included, can be overridden on the command line), to check every
+    key's type, to refuse keys and mesh axes the experiment does not know, and to
+    run ``check``: all before anything is written. A module without ``CONFIG_KEYS``
+    adds no key, uses no mesh axis beyond the trainer's, and checks its ``model``
+    dict itself.
+
+    Attributes:
+      options: the top-level keys the experiment adds, ``{name: (types, default,
+        meaning)}`` as in the trainer's ``SCHEMA``; `make_experiment` reads their
+        values in ``settings.options``.
+      model: the keys of ``config.model``, in the same form; None leaves the dict
+        to the experiment (any keys).
+      mesh_axes: the mesh axes it uses beyond ``data``, ``fsdp`` and ``tensor``
+        (``stage``, ``context``, ``expert``); the others are refused.
+      check: ``check(values) -> problems``: one line per mistake in the config's
+        values (every key present, of its type), e.g. a model the mesh cannot split.
+
+    >>> ConfigKeys(options={"depth": ((int,), 2, "layers")}).options["depth"][1]
+    2
+    """
+
+    options: KeyTable = dataclasses.field(default_factory=dict)
+    model: KeyTable | None = None
+    mesh_axes: tuple[str, ...] = ()
+    check: Callable[[Mapping[str, Any]], list[str]] | None = None
+
+
+def load_config_keys(experiment: Any) -> ConfigKeys:
+    """The `ConfigKeys` of the module named ``experiment`` (its ``CONFIG_KEYS``); none
+    where it declares none or cannot be found (the config's validation says so).
+
+    >>> load_config_keys("experiments.gan").mesh_axes
+    ()
+    """
+    if not isinstance(experiment, str) or not re.fullmatch(r"[\w.]+", experiment):
+        return ConfigKeys()
+    try:
+        module = importlib.import_module(experiment)
+    except ModuleNotFoundError as e:
+        if e.name is None or not f"{experiment}.".startswith(f"{e.name}."):
+            raise  # the experiment imports something missing: a real bug
+        return ConfigKeys()
+    keys = getattr(module, "CONFIG_KEYS", ConfigKeys())
+    if not isinstance(keys, ConfigKeys):
+        raise TypeError(f"{experiment}.CONFIG_KEYS is no replicator.trainer.ConfigKeys")
+    return keys
+
+
+def declared_beside(experiment: str, name: str, field: str = "options") -> list[str]:
+    """The modules beside ``experiment`` (in its package) whose `ConfigKeys` have ``name``
+    in ``field`` (``options``, ``mesh_axes``): where a key or mesh axis that
+    ``experiment`` does not know belongs, for its error's hint.
+
+    >>> declared_beside("experiments.classify", "tokenizer")
+    ['experiments.lm']
+    """
+    parent = experiment.rpartition(".")[0]
+    try:
+        found = pkgutil.iter_modules(importlib.import_module(parent).__path__, f"{parent}.")
+        names = sorted(info.name for info in found if info.name != experiment)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    owners = []
+    for module in names:
+        try:
+            if name in getattr(load_config_keys(module), field):
+                owners.append(module)
+        except Exception:  # noqa: BLE001  (a hint only: a module that fails owns nothing)
+            continue
+    return owners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,26 +135,11 @@ class Settings:
       sync: the optimizer's synchronisation: None (every step) or `rp.DiLoCo`.
       optimizer_spec: the config's optimizer keys (schedule, decay, clipping, EMA,
         freezing); None: ``optimizer`` at a constant ``learning_rate``.
-      remat_policy: the config's ``remat_policy`` (`replicator.step.remat`); an experiment
-        whose model names no tensors refuses anything but None.
-      pipeline_microbatches: the config's ``pipeline_microbatches``: how many
-        pieces a layer stack's pipeline (`rp.pipeline`, over the mesh's ``stage``
-        axis) cuts the batch into; None: one per stage.
-      pipeline_repeats: the config's ``pipeline_repeats``: 1 for GPipe, more for a
-        circular schedule. An experiment whose model is not a layer stack refuses
-        a ``stage`` axis.
-      context_strategy: the config's ``context_strategy`` ('gather' or 'ring'): how
-        attention runs over a sequence split on the mesh's ``context`` axis
-        (`rp.context_attention`).
-      context_load_balance: the config's ``context_load_balance``: sequences reordered
-        so that the ``context`` shards share the causal work evenly. An experiment
-        whose model has no attention over a sequence refuses a ``context`` axis.
-      tokenizer: the config's ``tokenizer`` (a language model's: ``"bytes"`` or a
-        tokenizer file); None where no config gave one.
       dataset: the config's ``dataset``, for an experiment that checks what its data
         holds (the LM: which tokenizer made it); None where no config gave one.
-      pack_documents: the config's ``pack_documents``: a language model's windows
-        hold several documents, each attended to, positioned and predicted alone.
+      options: the values of the top-level keys the experiment declares
+        (`ConfigKeys.options`), e.g. the LM's ``{"remat_policy": "full", ...}``;
+        a key left out is at its declared default.
     """
 
     repl: Replicator
@@ -80,34 +151,8 @@ class Settings:
     seed: int
     sync: DiLoCo | None = None
     optimizer_spec: OptimizerSpec | None = None
-    remat_policy: str | None = None
-    pipeline_microbatches: int | None = None
-    pipeline_repeats: int = 1
-    context_strategy: str = "gather"
-    context_load_balance: bool = False
-    tokenizer: str | None = None
     dataset: str | None = None
-    pack_documents: bool = False
-
-    def refuse_pipeline(self, experiment: str) -> None:
-        """Raises a one-line `ConfigError` when the config asks ``experiment``, whose
-        model is no stack of layers, for a pipeline (a ``stage`` axis or its keys)."""
-        asked = "stage" in self.repl.mesh.axis_names or self.pipeline_microbatches is not None
-        if asked or self.pipeline_repeats != 1:
-            raise ConfigError(
-                f"a pipeline (mesh axis 'stage', pipeline_microbatches, pipeline_repeats): "
-                f"the model of {experiment} is no stack of layers to split over stages; "
-                "pipelines apply to the LM (experiments.lm)"
-            )
-
-    def refuse_context(self, experiment: str) -> None:
-        """Raises a one-line `ConfigError` when the config asks ``experiment``, whose
-        model attends over no sequence, for context parallelism (a ``context`` axis)."""
-        if "context" in self.repl.mesh.axis_names:
-            raise ConfigError(
-                f"mesh axis 'context' splits a sequence's attention, but the model of "
-                f"{experiment} has none; context parallelism applies to the LM (experiments.lm)"
-            )
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def spec(self) -> OptimizerSpec:

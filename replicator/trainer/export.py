@@ -29,10 +29,9 @@ import jax
 import numpy as np
 
 from replicator import storage
-from replicator.checkpoints.checkpoint import Checkpoints
 from replicator.errors import ConfigError, UsageError
 from replicator.trainer import init_from, pretrained
-from replicator.trainer.evaluator import run_config
+from replicator.trainer.evaluator import restore_params, run_config
 from replicator.trainer.safetensors_files import (
     MAX_FILE_BYTES,
     file_names,
@@ -122,17 +121,14 @@ def export_hf(
         config.experiment, config.model.to_dict(), None, tokenizer=config.get("tokenizer")
     )
     run = setup(config, devices=devices, training=False)
-    checkpoints = Checkpoints(storage.join(workdir, "checkpoints"), run.repl, read_only=True)
     try:
-        if checkpoints.latest_step() is None:
-            raise ConfigError(f"{workdir} holds no checkpoint to export")
-        like = {"params": run.experiment.eval_state(run.abstract_state)["params"]}
-        restored = checkpoints.restore(like=like, step=step, partial=True)
-        step = checkpoints.restored_step
+        restored = restore_params(run, workdir, step=step)
     finally:
-        checkpoints.close()
         run.close()
-    leaves = init_from.model_paths(restored)
+    if restored is None:
+        raise ConfigError(f"{workdir} holds no checkpoint to export")
+    params, step = restored
+    leaves = init_from.model_paths({"params": params})
     groups = _groups(hf, leaves)
     files = _split(groups, max_file_bytes)
     written = _write(out, hf, leaves, files)

@@ -1,9 +1,11 @@
 """What ``--help`` shows: the commands, a command's flags and every config key.
 
-The config keys come from `replicator.trainer.config.describe_keys`, the one
-table of keys, defaults and meanings; with a config given (``train --config FILE
---help``, or ``eval --workdir DIR --help`` on a run's saved config) a column shows
-its values, its ``model`` settings each on a row.
+The config keys come from `replicator.trainer.config.describe_keys`: the
+trainer's table of keys, defaults and meanings, and with a config given (``train
+--config FILE --help``, or ``eval --workdir DIR --help`` on a run's saved config)
+its experiment's own keys (`replicator.trainer.ConfigKeys`: the LM's remat and
+pipeline keys, ``model.KEY`` for each of its model keys) and a column of the
+config's values.
 """
 
 from __future__ import annotations
@@ -14,25 +16,28 @@ from collections.abc import Sequence
 import ml_collections
 from absl import flags
 
-from replicator.trainer.config import describe_keys
+from replicator.trainer.config import describe_keys, experiment_keys
 
 COMMANDS = {
     "train": "train a config's experiment in WORKDIR, resuming from its newest checkpoint",
-    "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (one JSON line)",
+    "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (JSON off a terminal)",
     "compile": "compile a config's steps for a Cloud TPU slice here: memory per chip, FLOPs, "
-    "collectives, a roofline",
+    "collectives, a roofline (--fit: the fastest remat/accumulation/offload that fits)",
     "plot": "draw WORKDIR's metrics as PNG files in WORKDIR/plots/",
     "sample": "continue prompts with a checkpoint of WORKDIR (or config.init_from's weights)",
     "export": "write a checkpoint of WORKDIR in Hugging Face's layout (config.json, safetensors)",
+    "params": "list a config's parameter paths, shapes and what freeze, lr_mults and weight "
+    "decay do to each (nothing trained or written)",
     "launch": "run a command as every process of a multi-process run: local, tpu or slurm",
 }
 SYNOPSIS = {
     "train": "train --config FILE[:MODE] --workdir DIR [--config.KEY=VALUE ...] [flags]",
     "eval": "eval --workdir DIR [--config FILE[:MODE]] [--config.KEY=VALUE ...] [flags]",
     "compile": "compile --config FILE[:MODE] --topology TYPE [--slices N] [--workdir DIR] "
-    "[--config.KEY=VALUE ...]",
+    "[--fit] [--config.KEY=VALUE ...]",
     "plot": "plot WORKDIR",
     "export": "export --workdir DIR [--step N] --format hf --out DIR",
+    "params": "params --config FILE[:MODE] [--config.KEY=VALUE ...]",
     "sample": "sample --workdir DIR [--config FILE[:MODE]] (--prompt TEXT | --prompt_ids 1,2,3) "
     "[--max_new_tokens N --temperature T --top_k K --top_p P --seed S --num_samples N] [--json]",
 }
@@ -87,21 +92,31 @@ def command_help(
 
 
 def keys_table(config: ml_collections.ConfigDict | None, source: str = "") -> list[str]:
-    """Every config key with its default and meaning (`describe_keys`), and ``config``'s
-    values when there is one (its ``model`` settings each on a row)."""
+    """Every config key with its default and meaning (`describe_keys`): the trainer's, and
+    with a ``config`` its experiment's own (``model.KEY`` rows for its model's) and a
+    column of ``config``'s values."""
     head, rows = ("KEY", "DEFAULT", "MEANING"), []
     values = {} if config is None else config.to_dict()
-    for key, default, meaning in describe_keys():
-        value = values.get(key)
+    keys = None if config is None else experiment_keys(values.get("experiment"))
+    described = describe_keys(keys)
+    model = values.get("model") if isinstance(values.get("model"), dict) else {}
+    # A model key the experiment does not declare (it checks its model itself): its value.
+    described += [
+        (f"model.{k}", "", "") for k in model if keys.model is None or k not in keys.model
+    ]
+    for key, default, meaning in described:
         if config is None:
             rows.append((key, default, meaning))
-        elif key == "model" and isinstance(value, dict):
-            rows.append((key, default, "", meaning))
-            rows += [(f"model.{k}", "", _clip(repr(v)), "") for k, v in value.items()]
-        else:
-            rows.append((key, default, _clip(repr(value)) if key in values else "", meaning))
+            continue
+        name = key.removeprefix("model.")
+        value = model.get(name) if key.startswith("model.") else values.get(key)
+        given = name in model if key.startswith("model.") else key in values
+        shown = _clip(repr(value)) if given and key != "model" else ""
+        rows.append((key, default, shown, meaning))
     title = "config keys (override any with --config.KEY=VALUE):"
-    if config is not None:
+    if config is None:
+        rows.append(("...", "", "with --config FILE: its experiment's keys, model keys included"))
+    else:
         head = ("KEY", "DEFAULT", "THIS CONFIG", "MEANING")
         title = f"config keys (override any with --config.KEY=VALUE), {source}:"
     widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head) - 1)]

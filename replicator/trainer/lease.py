@@ -41,6 +41,7 @@ import jax
 
 from replicator import storage
 from replicator.errors import WorkdirBusyError as WorkdirBusyError
+from replicator.runtime import compat
 
 log = logging.getLogger("replicator")
 LOCAL_NAME, REMOTE_NAME = "lease.lock", "lease.json"
@@ -206,11 +207,12 @@ def _write_if(url: str, data: bytes, generation: str) -> str | None:
     its new generation, or None when the precondition failed."""
     bucket, key = _bucket_and_key(url)
     fs = _gcs()
+    upload = f"{compat.gcs_endpoint(fs)}/upload/storage/v1/b/{bucket}/o"
 
     def write() -> str | None:
         try:
             resource = fs.call(
-                "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media",
+                "POST", upload, uploadType="media",
                 name=key, ifGenerationMatch=generation, data=data, json_out=True,
                 headers={"Content-Type": "application/octet-stream"},
             )  # fmt: skip

@@ -55,7 +55,9 @@ _STOP_IDS = flags.DEFINE_string(
     "sample: token ids that end a sample, e.g. 0,13 ('' for none); default: the "
     "tokenizer's end of document.",
 )
-_JSON = flags.DEFINE_bool("json", False, "sample: one JSON line per sample.")
+_JSON = flags.DEFINE_bool(
+    "json", False, "One JSON line per result (eval: also whenever stdout is no terminal) or sample."
+)
 
 FLAGS = (
     _PROMPT, _PROMPT_IDS, _MAX_NEW_TOKENS, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, _NUM_SAMPLES,
@@ -168,22 +170,13 @@ def _restore_params(run: Any, workdir: str, step: int | None, strict: bool) -> t
     the workdir's checkpoint (``step`` or the newest), else ``config.init_from``'s
     weights in a fresh model (step None)."""
     from replicator import storage
-    from replicator.checkpoints.checkpoint import Checkpoints
-    from replicator.trainer import init_from, pretrained
+    from replicator.trainer import evaluator, init_from, pretrained
 
     config = run.config
+    restored = evaluator.restore_params(run, workdir, step=step, strict=strict)
+    if restored is not None:
+        return restored
     directory = storage.join(workdir, "checkpoints")
-    checkpoints = None
-    if storage.exists(directory):
-        checkpoints = Checkpoints(directory, run.repl, read_only=True)
-    try:
-        if checkpoints is not None and checkpoints.latest_step() is not None:
-            like = run.experiment.eval_state(run.abstract_state)
-            view = checkpoints.restore(like=like, step=step, strict=strict, partial=True)
-            return view["params"], checkpoints.restored_step
-    finally:
-        if checkpoints is not None:
-            checkpoints.close()
     if step is not None:
         raise ConfigError(f"--step={step}: {directory} holds no checkpoint")
     if config.init_from is None:

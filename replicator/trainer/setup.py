@@ -37,6 +37,7 @@ from replicator.trainer import config as config_lib
 from replicator.trainer import data, optimizer
 from replicator.trainer.experiment import Experiment, Settings
 from replicator.trainer.optimizer import OptimizerSpec
+from replicator.trainer.parameter_table import coverage_warnings, parameter_rows, path_hint
 
 log = logging.getLogger("replicator")
 
@@ -130,8 +131,13 @@ class Run:
                 source.stop_filling()
 
 
-def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = True) -> Run:
+def setup(
+    config: ml_collections.ConfigDict, *, devices=None, training: bool = True, eval_source=None
+) -> Run:
     """Validates ``config`` and builds the Replicator, experiment, steps and eval data.
+
+    ``eval_source`` stands in for the eval split where given: ``compile`` passes one
+    example shaped from the dataset's metadata, so that nothing reads the data.
 
     ``training=False`` (eval) skips the checks only training needs, such as the
     train batch splitting over these devices, and fits the mesh to the devices
@@ -150,14 +156,8 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
         seed=config.seed,
         sync=sync,
         optimizer_spec=OptimizerSpec.from_config(config),
-        remat_policy=config.remat_policy,
-        pipeline_microbatches=config.pipeline_microbatches,
-        pipeline_repeats=config.pipeline_repeats,
-        context_strategy=config.context_strategy,
-        context_load_balance=config.context_load_balance,
-        tokenizer=config.tokenizer,
         dataset=config.dataset,
-        pack_documents=config.pack_documents,
+        options={key: config[key] for key in config_lib.experiment_keys(config.experiment).options},
     )
     experiment = load_experiment(config.experiment, settings)
     if training:
@@ -175,9 +175,10 @@ def setup(config: ml_collections.ConfigDict, *, devices=None, training: bool = T
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "
             f"reports; it reports {list(experiment.metric_names)}."
         )
-    eval_source = data.load_data_source(
-        config.dataset, config.eval_split, data_dir=config.data_dir, fill_in_background=True
-    )
+    if eval_source is None:
+        eval_source = data.load_data_source(
+            config.dataset, config.eval_split, data_dir=config.data_dir, fill_in_background=True
+        )
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = _frozen_in(
         functools.partial(experiment.init_state, jax.random.key(config.seed), example),
@@ -233,15 +234,22 @@ def _check_optimizer_keys(config, abstract: Any) -> None:
         regex = config[key]
         if regex is None or any(re.search(regex, name) for name in names):
             continue
-        raise ConfigError(f"config.{key}={regex!r} matches no parameter path; the paths: {shown}")
+        raise ConfigError(
+            f"config.{key}={regex!r} matches no parameter path{path_hint(regex)}; the paths: "
+            f"{shown}"
+        )
     pairs = tuple(config.lr_mults or ())
     taken = {optimizer.first_match(pairs, name) for name in names}
     for i, (regex, factor) in enumerate(pairs):
         if i not in taken:
             raise ConfigError(
                 f"config.lr_mults: ({regex!r}, {factor!r}) takes no parameter (the first pair "
-                f"whose regex finds a path takes it); the paths: {shown}"
+                f"whose regex finds a path takes it){path_hint(regex)}; the paths: {shown}"
             )
+    spec = OptimizerSpec.from_config(config)  # every parameter frozen or scaled: a warning
+    for params in train_params(abstract):
+        for line in coverage_warnings(spec, parameter_rows(params, spec)):
+            log.warning("%s", line)
     if config.grad_reduce_dtype is not None and config.step_path == "compile":
         log.warning(
             "config.grad_reduce_dtype=%r changes nothing under step_path='compile' (XLA sums "

@@ -46,6 +46,7 @@ _WRITER_OPTIONS = "group_size:1"
 def encode_example(example: Example) -> bytes:
     """Serializes one example (a dict of arrays) into a record.
 
+    >>> import numpy as np
     >>> record = encode_example({"x": np.arange(3, dtype=np.float32), "y": np.int64(1)})
     >>> decode_example(record)["x"].tolist()
     [0.0, 1.0, 2.0]
@@ -78,12 +79,16 @@ def write_array_records(path: str | os.PathLike, examples: Iterable[Example]) ->
     Returns:
         How many examples were written.
 
-    >>> path = os.path.join(tmp_dir, "train-00000-of-00001.array_record")
+    >>> import tempfile
+    >>> import numpy as np
+    >>> tmp_dir = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp_dir.name, "train-00000-of-00001.array_record")
     >>> write_array_records(path, ({"x": np.full(2, i, np.int32)} for i in range(5)))
     5
-    >>> source = ArrayRecordSource(os.path.join(tmp_dir, "train-*.array_record"))
+    >>> source = ArrayRecordSource(os.path.join(tmp_dir.name, "train-*.array_record"))
     >>> len(source), source[3]["x"].tolist()
     (5, [3, 3])
+    >>> tmp_dir.cleanup()
     """
     path = os.fspath(path)
     if storage.is_remote(path):

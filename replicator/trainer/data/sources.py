@@ -50,20 +50,17 @@ def load_data_source(
     """Opens one split of a dataset as a random-access data source.
 
     ``name`` is a tfds name, or one's own data (`replicator.trainer.data.user_sources`:
-    ``'MODULE:FUNCTION'``, ``'MODULE:BuilderClass'``, ``'array_record:PATTERN'``).
-    tfds builders of your own (outside tfds' catalog: in your package, beside
-    your config, or ``digits`` in ``experiments.datasets``) are built under
-    ``data_dir`` on first use. tfds' catalog builders (``mnist``, ``cifar10``,
-    ...) must already be prepared there in array_record format; this function
-    never downloads, so it cannot hang on a machine without network. Under
+    ``'MODULE:FUNCTION'``, ``'MODULE:BuilderClass'``, ``'array_record:PATTERN'``). tfds builders
+    of your own (outside tfds' catalog: in your package, beside your config, or ``digits`` in
+    ``experiments.datasets``) are built under ``data_dir`` on first use. tfds' catalog builders
+    (``mnist``, ``cifar10``, ...) must already be prepared there in array_record format; this
+    function never downloads, so it cannot hang on a machine without network. Under
     ``tfds.testing.mock_data`` any registered dataset reads as fake examples.
 
-    A ``gs://`` data_dir is read through a local copy of the dataset's
-    version directory under ``cache_dir``, made once per machine (every
-    process of a run calls this; the processes of one machine share the
-    copy). A dataset of your own missing from the bucket is built locally by
-    each machine, and process 0 uploads it; a catalog one must be put there
-    first (the error says how).
+    A ``gs://`` data_dir is read through a local copy of the dataset's version directory under
+    ``cache_dir``, made once per machine (the processes of one machine share it). A dataset of
+    your own missing from the bucket is built locally by each machine, and process 0 uploads it;
+    a catalog one must be put there first (the error says how).
 
     Args:
         name: tfds name, optionally with config and version (``"mnist:3.*.*"``;
@@ -97,13 +94,16 @@ def load_data_source(
         replicator.storage.StorageError: a bucket data_dir that does not
             exist, cannot be read, or does not answer.
 
-    >>> import experiments.datasets  # Registers "digits" with tfds.
-    >>> source = load_data_source("digits", "test", data_dir=data_dir)
+    >>> import tempfile, experiments.datasets  # (the latter registers "digits" with tfds)
+    >>> data_dir = tempfile.TemporaryDirectory()  # a dataset of one's own is built there
+    >>> source = load_data_source("digits", "test", data_dir=data_dir.name)  # doctest: +ELLIPSIS
+    Downloading and preparing dataset ...
     >>> len(source), source[0]["image"].shape, int(source[0]["label"]) in range(10)
     (360, (8, 8, 1), True)
     >>> own = load_data_source("experiments.datasets.digits:make_source", "test")
     >>> len(own), own[0]["image"].tolist() == source[0]["image"].tolist()
     (360, True)
+    >>> data_dir.cleanup()
     """
     tfds_name = _tfds_name(name)
     if tfds_name is None:
@@ -150,9 +150,15 @@ def prepare_dataset(
         replicator.storage.StorageError: the bucket does not exist, cannot be
             written, or does not answer.
 
+    >>> import tempfile
     >>> import experiments.datasets  # Registers "digits" with tfds.
-    >>> prepare_dataset("digits", data_dir)
+    >>> data_dir = tempfile.TemporaryDirectory()
+    >>> prepare_dataset("digits", data_dir.name)  # doctest: +ELLIPSIS
+    Downloading and preparing dataset ...
     '.../digits/1.0.0'
+    >>> prepare_dataset("digits", data_dir.name)  # prepared: nothing done  # doctest: +ELLIPSIS
+    '.../digits/1.0.0'
+    >>> data_dir.cleanup()
     """
     name = _tfds_name(name) or name
     if data_dir is not None and storage.is_remote(data_dir):

@@ -108,7 +108,7 @@ def open_split(
         replicator.errors.DatasetError: array_record files that are missing or
             hold other records.
 
-    >>> source = open_split("builtins:list", "abc")  # list("abc"): not dicts of arrays
+    >>> open_split("builtins:list", "abc")  # list("abc"): no dicts  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     replicator.errors.ConfigError: dataset 'builtins:list' split 'abc': item 0 is a str, ...
