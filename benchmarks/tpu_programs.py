@@ -19,7 +19,14 @@ time at the chip's published peaks). The cases:
   model (``benchmarks/maxtext_compile.py``, run in MaxText's own virtual
   environment: ``benchmarks/results/maxtext/``). MaxText's HLO is read by the same
   analysis (`replicator.compiled.hlo.analyze`; without its mesh, its collectives are not
-  split into ICI and DCN), its memory by the same formula.
+  split into ICI and DCN), its memory by the same formula;
+* ``vs_maxtext_8b``: ``configs/llama3_8b.py`` and ``configs/lm_8b.py`` on a v5p-128, as
+  shipped and at the shapes of MaxText's llama3-8b compiles (its defaults, and lm_8b's
+  batch and context), beside those compiles (``benchmarks/results/maxtext/`` files
+  named ``llama3-8b*``), with the MFU the roofline allows: ``6 N T / (step x chips x
+  peak)``, N the parameters that enter a matrix product (all but the input
+  embedding table: `matmul_parameters`), T the tokens of a step, peak the chip's
+  bf16 FLOP/s (459 T on a v5p).
 
 Writes benchmarks/results/tpu_programs.json and, through `render`, the "TPU
 programs" section of docs/benchmarks.md. About 25 minutes on the 2-core machine.
@@ -64,7 +71,7 @@ def cases() -> dict[str, list[dict]]:
         _case("lm_1b", lm1b, "v5e-16", 2, grad_accum_steps="1"),
         _case("lm_gpt2_124m", "configs/lm_gpt2_124m.py", "v5e-16"),
         _case("lm_8b", "configs/lm_8b.py", "v5p-128"),
-        _case("lm_8b", "configs/lm_8b.py", "v5p-128", 2),
+        _case("lm_8b", "configs/lm_8b.py", "v5p-128", 2, grad_accum_steps="1"),
         _case("digits_cnn", "configs/digits_cnn.py", "v5e-16", batch_size=256),
         _case("gan_digits", "configs/gan_digits.py", "v5e-16", batch_size=256),
     ]
@@ -88,14 +95,65 @@ def cases() -> dict[str, list[dict]]:
         ),  # fmt: skip
     ]
     ours = []
-    for topology, slices in (("v5e-16", 1), ("v5p-128", 1), ("v5e-16", 2)):
-        batch = PER_CHIP[topology + ("x2" if slices > 1 else "")]
-        for remat in ("full", "minimal", "None"):
-            ours.append(
-                _case(f"replicator remat {remat}", lm1b, topology, slices,
-                      batch_size=batch, remat_policy=remat, grad_accum_steps="1")
-            )  # fmt: skip
-    return {"shipped": shipped, "levers": levers, "vs_maxtext": ours}
+    # MaxText's cases (benchmarks/results/maxtext/): windows per chip, microbatches, remat.
+    for topology, per_chip, accum, remat in (
+        *(("v5e-16", 1, 1, r) for r in ("full", "minimal", "minimal_with_context")),
+        *(("v5e-16", 4, 1, r) for r in ("full", "minimal")),
+        ("v5e-16", 4, 4, "minimal_with_context"),  # lm_1b as shipped
+        ("v5e-16", 4, 4, "None"),  # as shipped before: MaxText cannot switch remat off
+        *(("v5p-128", 1, 1, r) for r in ("full", "minimal", "minimal_with_context")),
+    ):
+        batch = PER_CHIP[topology] * per_chip
+        ours.append(
+            _case(f"replicator remat {remat}, {_windows(per_chip, accum)}", lm1b, topology,
+                  batch_size=batch, remat_policy=remat, grad_accum_steps=str(accum))
+        )  # fmt: skip
+    return {"shipped": shipped, "levers": levers, "vs_maxtext": ours, "vs_maxtext_8b": cases_8b()}
+
+
+def _windows(per_chip: int, accum: int) -> str:
+    """``4 windows/chip in 4 microbatches``: a row's shape per chip."""
+    split = f" in {accum} microbatches" if accum > 1 else ""
+    return f"{per_chip} window{'s' if per_chip > 1 else ''}/chip{split}"
+
+
+def cases_8b() -> list[dict]:
+    """The 8B compiles beside MaxText's llama3-8b: each config as shipped (the winner of
+    ``compile --fit``), then at MaxText's shapes with MaxText's default remat (``full``)."""
+    llama, lm8b = "configs/llama3_8b.py", "configs/lm_8b.py"
+    # MaxText's llama3-8b defaults: per_device_batch_size 12 (768 windows on 64 chips)
+    # of max_target_length 2,048, remat 'full'.
+    at_default = {"batch_size": "768", "model.max_len": "2048", "dataset": "python_stdlib/all_2048"}
+    return [
+        _case("replicator llama3_8b (as shipped)", llama, "v5p-128"),
+        _case("replicator llama3_8b at MaxText's default shape, remat full", llama, "v5p-128",
+              remat_policy="full", grad_accum_steps="1", **at_default),
+        _case("replicator lm_8b (as shipped)", lm8b, "v5p-128"),
+        _case("replicator lm_8b, remat full", lm8b, "v5p-128", remat_policy="full",
+              grad_accum_steps="1"),
+    ]  # fmt: skip
+
+
+def matmul_parameters(model: dict) -> int:
+    """The parameters that enter a matrix product in a decoder of ``model``'s keys (the
+    LM's, `experiments.lm`): attention's q, k, v and output, the MLP's (three matrices
+    with SwiGLU, two with GELU) and the output head (the embedding table again where
+    tied); not the input embedding (a lookup), norms or biases.
+
+    >>> matmul_parameters(LLAMA3_8B)  # Llama 3 8B: 8.03B parameters, 0.53B input embedding
+    7504658432
+    """
+    width, heads = model["embed_dim"], model["num_heads"]
+    head_dim = model.get("head_dim") or width // heads
+    kv = model.get("num_kv_heads") or heads
+    attention = 2 * width * heads * head_dim + 2 * width * kv * head_dim
+    mlp = (3 if model.get("mlp_activation") == "swiglu" else 2) * width * model["mlp_dim"]
+    return model["num_layers"] * (attention + mlp) + width * model["vocab_size"]
+
+
+# MaxText's llama3-8b (its configs/models/llama3-8b.yml): Llama 3 8B's shape.
+LLAMA3_8B = dict(vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32,
+                 num_kv_heads=8, head_dim=128, mlp_dim=14_336, mlp_activation="swiglu")  # fmt: skip
 
 
 def compile_case(case: dict, workdir: str) -> dict:
@@ -103,6 +161,7 @@ def compile_case(case: dict, workdir: str) -> dict:
     argv = [
         sys.executable, "-m", "replicator", "compile", "--config", case["config"],
         "--topology", case["topology"], "--slices", str(case["slices"]), "--workdir", workdir,
+        "--steps", "train",
         *(f"--config.{k}={v}" for k, v in case["overrides"].items()),
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -145,10 +204,18 @@ def maxtext_rows() -> list[dict]:
                 roofline=aot.roofline(analysis, chip),
                 compile_s=result["compile_seconds"]["xla_compile"],
                 versions=result["versions"], command=result["command"],
-                parameters=result["parameters"],
+                parameters=result["parameters"], global_batch=result.get("global_batch"),
+                seq_len=result.get("seq_len"), is_8b=_is_8b(path, result),
+                per_chip=(result.get("global_batch") or result["num_chips"]) // result["num_chips"],
+                accum=result.get("gradient_accumulation_steps", 1),
             )
         )  # fmt: skip
     return rows
+
+
+def _is_8b(path: str, result: dict) -> bool:
+    """A compile of MaxText's llama3-8b (the 8B table's), not of lm_1b's shape."""
+    return "llama3-8b" in os.path.basename(path) or "llama3-8b" in str(result.get("name"))
 
 
 def measure(only: set[str]) -> dict:
@@ -162,12 +229,36 @@ def measure(only: set[str]) -> dict:
                 print(f"== {table} {case['name']} on {case['topology']} x{case['slices']}",
                       flush=True)  # fmt: skip
                 row = compile_case(case, os.path.join(scratch, f"{table}_{i}"))
+                if table == "vs_maxtext_8b":
+                    row["shape"] = config_shape(case)
                 print("   ", row.get("error") or _brief(row), flush=True)
                 result["cases"][table].append(row)
     from replicator.trainer.aot import compiler_versions
 
     result["versions"] = compiler_versions()
     return result
+
+
+def config_shape(case: dict) -> dict:
+    """A case's step: ``batch`` windows of ``length`` tokens, its remat policy and
+    microbatches, and the parameters in 6 N T (`matmul_parameters`), from its config file
+    with the case's overrides of those keys."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("case", os.path.join(trials.REPO_DIR,
+                                                                       case["config"]))  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    given = case["overrides"]
+    model = {**config.model.to_dict(), "max_len": int(given.get("model.max_len",
+                                                              config.model.max_len))}  # fmt: skip
+    return dict(
+        batch=int(given.get("batch_size", config.batch_size)), length=model["max_len"],
+        remat=given.get("remat_policy", str(config.remat_policy)),
+        microbatches=int(given.get("grad_accum_steps", config.grad_accum_steps)),
+        parameters=matmul_parameters(model),
+    )  # fmt: skip
 
 
 def _brief(row: dict) -> str:
@@ -219,8 +310,9 @@ def render(result: dict) -> str:
         "(`python -m replicator compile`; nothing ran on a TPU): state = parameters + "
         "optimizer state in HBM; total = arguments + outputs not donated + temporaries + "
         "generated code, against the chip's HBM; TFLOP and HBM bytes from the optimized "
-        "HLO with loop trip counts (`replicator.compiled.hlo.analyze`; the Pallas splash kernels "
-        "are not costed, in either program); collective bytes sent per chip (ring model), "
+        "HLO with loop trip counts (`replicator.compiled.hlo.analyze`; the Pallas splash "
+        "kernels' FLOPs counted from their shapes, block-causal, in both programs); "
+        "collective bytes sent per chip (ring model), "
         "DCN the part between slices; roofline = the largest of compute, HBM, ICI and DCN "
         "time at the chip's published peaks. Command: "
         "`.venv/bin/python benchmarks/tpu_programs.py` "
@@ -232,9 +324,13 @@ def render(result: dict) -> str:
         "levers": "lm_1b at one 2,048-token window per chip on a v5e-16, lever by lever "
         "(issue 32; `remat_policy=None` unless named):",
         "vs_maxtext": "lm_1b beside MaxText's own compile of the same model "
-        "(1,011,888,128 parameters, gpt3 block, splash attention, one window per chip):",
+        "(1,011,888,128 parameters, gpt3 block, splash attention, 2,048-token windows):",
     }
+    lm_1b = [row for row in result["maxtext"] if not row.get("is_8b")]
     for table, rows in result["cases"].items():
+        if table == "vs_maxtext_8b":
+            lines += _lines_8b(rows, [row for row in result["maxtext"] if row.get("is_8b")])
+            continue
         lines += [titles[table], "", HEADER]
         for row in rows:
             if "error" in row:
@@ -242,8 +338,8 @@ def render(result: dict) -> str:
             else:
                 lines.append(_row(row["name"], _slice(row), row["report"]))
         if table == "vs_maxtext":
-            lines += _maxtext_lines(result["maxtext"])
-            lines += ["", MAXTEXT_NOTE.format(**_maxtext_versions(result["maxtext"]))]
+            lines += _maxtext_lines(lm_1b)
+            lines += ["", MAXTEXT_NOTE.format(**_maxtext_versions(lm_1b))]
         lines.append("")
     return "\n".join(lines)
 
@@ -251,14 +347,12 @@ def render(result: dict) -> str:
 MAXTEXT_NOTE = (
     "MaxText {maxtext} (jax {jax}, libtpu {libtpu}, Python {python}) in a virtual environment "
     "of its own, never a dependency: `/work/maxtext-venv/bin/python "
-    "benchmarks/maxtext_compile.py --all` (its `train_compile`'s own functions; the JSON and "
-    "HLO in `benchmarks/results/maxtext/`). *: MaxText's state column is all its argument "
-    "bytes. Reading: at the same remat policy our program needs 1-24% less HBM per chip "
-    "than MaxText's (8% on a v5e-16 with MaxText's default, `full`; 24% on a v5p-128) and "
-    "no more generated code; on one slice the roofline is the same compute bound (12.4 "
-    "TFLOP per chip under `minimal` is 6·N·T: neither program recomputes a matmul), below "
-    "the 73 ms (v5e-16) and 31 ms (v5p-128) that issue 32 had counted for MaxText; on two "
-    "slices with `minimal` MaxText's HBM estimate is 2% lower."
+    "benchmarks/maxtext_compile.py --topology T --remat R [--per-device-batch-size N] "
+    "[--grad-accum K]` (its `train_compile`'s own functions; the JSON and HLO in "
+    "`benchmarks/results/maxtext/`), counted from its HLO as ours is. *: MaxText's state "
+    "column is all its argument bytes. The two programs are compiled by different "
+    "compilers (ours: the table's header); docs/benchmarks.md reads them, and has ours on "
+    "MaxText's compiler beside them."
 )
 
 
@@ -274,8 +368,10 @@ def _maxtext_lines(rows: list[dict]) -> list[str]:
         state = memory.get("argument_size_in_bytes", 0)
         parts = row["roofline"]
         slices = f" x{row['slices']}" if row["slices"] > 1 else ""
+        shape = _windows(int(row["per_chip"]), int(row["accum"] or 1))
         out.append(
-            f"| MaxText remat {row['remat']} | {row['topology']}{slices} | {_gb(state)}* | "
+            f"| MaxText remat {row['remat']}, {shape} | {row['topology']}{slices} | "
+            f"{_gb(state)}* | "
             f"{_gb(memory.get('temp_size_in_bytes'))} | "
             f"{memory.get('generated_code_size_in_bytes', 0) / 1e6:.0f} | "
             f"{_gb(row['total_bytes'])} | {row['flops'] / 1e12:.2f} | {_gb(row['hbm_bytes'])} | "
@@ -285,9 +381,88 @@ def _maxtext_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+HEADER_8B = (
+    "| program | batch x context | remat, microbatches | GB/chip | TFLOP/chip | "
+    "roofline ms (bound) | MFU at roofline | compile s |\n|---|---|---|---|---|---|---|---|"
+)
+V5P_PEAK = 459e12  # bf16 FLOP/s per chip (replicator.compiled.topology.CHIPS)
+
+
+def mfu_at_roofline(parameters: int, tokens: int, step_s: float, chips: int) -> float:
+    """``6 N T / (step x chips x peak)`` on v5p chips.
+
+    >>> round(mfu_at_roofline(7_785_676_800, 128 * 4096, 1.130, 64), 3)  # lm_8b, issue 46
+    0.738
+    """
+    return 6 * parameters * tokens / (step_s * chips * V5P_PEAK)
+
+
+def _row_8b(label, batch, length, remat, gb, flops, parts, mfu, compile_s) -> str:
+    return (
+        f"| {label} | {batch} x {length} | {remat} | {gb} | {flops / 1e12:.1f} | "
+        f"{_ms(parts.get('step_s'))} ({parts.get('bound')}) | {mfu:.1%} | {compile_s:.0f} |"
+    )
+
+
+def _lines_8b(ours: list[dict], maxtext: list[dict]) -> list[str]:
+    """The 8B table: our compiles (``vs_maxtext_8b``) above MaxText's llama3-8b."""
+    lines = [
+        "8B on v5p-128: replicator vs MaxText's llama3-8b (MFU at roofline = 6 N T / "
+        "(step x chips x 459 TFLOP/s); N the parameters in matrix products, all but the "
+        f"input embedding: {matmul_parameters(LLAMA3_8B):,} for Llama 3 8B):",
+        "", HEADER_8B,
+    ]  # fmt: skip
+    for row in ours:
+        if "error" in row:
+            lines.append(f"| {row['name']} | {row['error'][:120]} |")
+            continue
+        shape, report = row["shape"], row["report"]
+        train, step = report["train_step"], report["roofline_step_s"]
+        tokens = shape["batch"] * shape["length"]
+        mfu = mfu_at_roofline(shape["parameters"], tokens, step, report["chips"])
+        fits = "" if report["fits"] else " **no**"
+        lines.append(_row_8b(
+            row["name"], shape["batch"], shape["length"],
+            f"{shape['remat']}, {shape['microbatches']}", _gb(report["memory_per_chip_bytes"])
+            + fits, train["flops"], train["roofline"], mfu, train["compile_s"],
+        ))  # fmt: skip
+    for row in maxtext:
+        chips = topology_chips(row["topology"]) * row["slices"]
+        tokens = row["global_batch"] * row["seq_len"]
+        mfu = mfu_at_roofline(matmul_parameters(LLAMA3_8B), tokens, row["roofline"]["step_s"],
+                              chips)  # fmt: skip
+        lines.append(_row_8b(
+            f"MaxText llama3-8b ({row['name']})", row["global_batch"], row["seq_len"],
+            f"{row['remat']}, 1", _gb(row["total_bytes"]), row["flops"], row["roofline"], mfu,
+            row["compile_s"] or 0,
+        ))  # fmt: skip
+    if maxtext:
+        lines += ["", MAXTEXT_8B_NOTE.format(**_maxtext_versions(maxtext))]
+    return [*lines, ""]
+
+
+MAXTEXT_8B_NOTE = (
+    "MaxText {maxtext} (jax {jax}, libtpu {libtpu}, Python {python}), its llama3-8b "
+    "(`model_name=llama3-8b`) compiled by `benchmarks/maxtext_compile.py` in its own virtual "
+    "environment; both programs' FLOPs, bytes and roofline counted from their optimized HLO "
+    "by the same analysis (`replicator.compiled.hlo.analyze`, splash attention's kernels "
+    "counted from their shapes in both); GB/chip is MaxText's arguments + outputs - aliased "
+    "+ temporaries + code, as ours."
+)
+
+
+def topology_chips(name: str) -> int:
+    """Chips in one slice of ``name`` (``v5p-128``: 64)."""
+    from replicator.compiled import topology as topology
+
+    return topology.accelerator(name).chips
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="tables: shipped, levers, vs_maxtext")
+    parser.add_argument(
+        "--only", default="", help="tables: shipped, levers, vs_maxtext, vs_maxtext_8b"
+    )
     parser.add_argument("--docs-only", action="store_true")
     args = parser.parse_args()
     if not args.docs_only:

@@ -8,9 +8,11 @@ batch of 64 windows (131,072 tokens: one window per chip on a v5p-128, four on
 a v5e-16). The mesh shards parameters and optimizer state over every device
 (``fsdp=-1``), and the activations' batch with them; the 20 blocks are one
 scanned block over stacked parameters. Each step runs as four microbatches of 16
-windows (``grad_accum_steps=4``: one window per chip of a v5e-16) with nothing
-recomputed in the backward pass (``remat_policy=None``): the fastest program that
-fits a v5e-16 of those ``compile --fit`` tried. Attention is Pallas
+windows (``grad_accum_steps=4``: one window per chip of a v5e-16), and the backward
+pass recomputes nothing it needs: each block keeps its projections and its
+attention's output and log-sum-exp (``remat_policy="minimal_with_context"``,
+MaxText's name), its LayerNorms and GELU are recomputed (no matmul). As fast as
+keeping everything (``remat_policy=None``) in 40% of the memory. Attention is Pallas
 splash attention on TPU (the causal half skipped, no scores in HBM), cuDNN's
 fused kernel on GPUs. Data: every ``.py`` file of the interpreter's standard
 library (``python_stdlib/all_2048``: about 14,500 train windows of 2,048 bytes,
@@ -21,13 +23,15 @@ on any machine with the ``tpu`` extra):
 
     python -m replicator compile --config configs/lm_1b.py --topology v5e-16
 
-As shipped it needs 8.53 GiB of a v5e chip's 15.75, with a roofline of 291 ms per
-step, compute-bound (0.82 of MaxText's default program for this shape, 355 ms;
-compiled with libtpu 0.0.42.1 from a CPU host, jax 0.10.2; ``docs/benchmarks.md``,
-"TPU programs" and "compile --fit"). ``compile --fit`` finds the fastest program
+As shipped it needs 3.39 GiB of a v5e chip's 15.75, with a roofline of 291 ms per
+step, compute-bound: 0.80 of MaxText's default program for this shape (remat
+``full``, 366 ms, HBM-bound) and level with MaxText's least-recomputing one
+(``minimal_with_context`` in four microbatches, 291.3 ms; 3.04 GiB on its newer
+compiler, libtpu 0.0.52). Compiled with libtpu 0.0.42.1 from a CPU host, jax 0.10.2;
+``docs/benchmarks.md``, "TPU programs". ``compile --fit`` finds the fastest program
 for another slice: on a v5p-128 (one window per chip) four microbatches do not
-divide the batch, and ``--config.grad_accum_steps=1`` (7.36 GiB, 31.2 ms) is the
-fastest; on one GPU, whose memory holds no 16 windows' activations unrecomputed,
+divide the batch: ``--config.grad_accum_steps=1``; on one GPU, whose memory holds
+no 16 windows' activations unrecomputed,
 ``--config.remat_policy=full --config.grad_accum_steps=1`` (every block recomputed,
 only its input kept) is the program of the H100 figures in docs/benchmarks.md.
 
@@ -81,7 +85,7 @@ def get_config(mode: str = "") -> ml_collections.ConfigDict:
     # path gathers each parameter whole for the step: 3.6 GB of float32 here).
     c.step_path = "compile"
     c.precision = "bf16"
-    c.remat_policy = None  # keep every activation (replicator.step.remat: "full" keeps inputs)
+    c.remat_policy = "minimal_with_context"  # keep what the backward needs but norms and GELU
     c.grad_accum_steps = 4  # microbatches of 16 windows: one per chip of a v5e-16
     c.log_every_steps = 50
     c.eval_every_steps = 250

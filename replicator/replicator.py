@@ -52,8 +52,9 @@ class Replicator:
       dcn_mesh: axis sizes across TPU slices (or hosts), e.g. ``{"data": 2}``; ``mesh`` then gives
         the sizes within one slice (`replicator.parallel.mesh.hybrid_mesh_devices`): keep ``fsdp``
         and ``tensor`` inside slices, ``data`` (one all-reduce a step) across.
-      min_size: parameters with fewer elements get no automatic FSDP (and, with the default rules,
-        stay whole); rules you pass apply whatever the size. 0 shards every parameter.
+      min_size: parameters with fewer elements per layer (a scanned stack's ``layers`` axis not
+        counted) get no automatic FSDP (and, with the default rules, stay whole); rules you pass
+        apply whatever the size. 0 shards every parameter.
 
     Attributes:
       mesh: the `jax.sharding.Mesh`, axes ``("data", "fsdp", "tensor")``.

@@ -125,6 +125,26 @@ def test_splash_attention_equals_xla_attention_and_its_gradients():
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("policy, forwards", [("minimal", 2), ("minimal_with_context", 1)])
+def test_a_policy_keeping_the_context_runs_splash_forward_once(policy, forwards):
+    """Splash's backward needs its forward's output and log-sum-exp: a policy that keeps
+    the attention's output (``context``) keeps both, and the gradient runs one forward
+    kernel; ``minimal`` recomputes it. Read from the gradient's jaxpr (the kernels as
+    Pallas calls, whatever backend)."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 256, 2, 16))
+
+    def block(q, k, v):
+        q = jax.ad_checkpoint.checkpoint_name(q * 2.0, "query_proj")
+        return attention.causal_attention(q, k, v, implementation="splash")
+
+    rematted = jax.checkpoint(block, policy=remat.checkpoint_policy(policy))
+    loss = lambda q, k, v: (rematted(q, k, v) ** 2).sum()
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    names = re.findall(r"name=(splash_mha_\w+)", jaxpr)
+    assert sum("fwd" in n for n in names) == forwards, names
+    assert sum("dq" in n for n in names) == 1, names
+
+
 @pytest.mark.slow  # 27 s: Pallas's interpreter inside shard_map; the kernel alone runs always
 def test_splash_attention_in_an_lm_on_8_devices_trains_like_xla():
     """Inside `Replicator.compile` the kernel runs under shard_map over the batch (the

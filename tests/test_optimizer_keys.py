@@ -410,3 +410,52 @@ def test_a_key_a_config_sets_can_be_set_back_to_none(tmp_path, digits_data_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["ema_decay"] is None and saved["grad_clip_norm"] is None
+
+
+def test_a_scanned_lm_steps_with_weight_decay_as_the_unrolled_one_does():
+    """AdamW's default mask on the trainer's path (the LM experiment's step, its
+    optimizer wrapped by the Replicator): the scanned stack's LayerNorm scales and
+    biases are not decayed, as the unrolled blocks' are not (decayed, they would
+    differ by lr * wd = 5e-3)."""
+    import flax.linen as nn
+
+    from experiments.lm import make_experiment
+    from experiments.lm.task import make_preprocess
+    from replicator.parallel.sharding_rules import is_box
+    from replicator.trainer.experiment import Settings
+
+    shape = dict(vocab_size=32, num_layers=2, num_heads=2, embed_dim=16, mlp_dim=32, max_len=16)
+    spec = OptimizerSpec(name="adamw", learning_rate=1e-2, weight_decay=0.5)
+    repl = rp.Replicator(devices=jax.devices()[:1])
+    batch = make_preprocess(16)({"tokens": np.random.default_rng(0).integers(0, 32, (4, 17))})
+    example = jax.tree.map(lambda x: x[0], batch)
+    initial, trained = None, []
+    for scan in (False, True):
+        experiment = make_experiment(Settings(
+            repl=repl, model={**shape, "scan_layers": scan}, learning_rate=1e-2,
+            optimizer="adamw", num_train_steps=2, grad_accum_steps=1, seed=0,
+            optimizer_spec=spec,
+        ))  # fmt: skip
+        state = experiment.init_state(jax.random.key(0), example)
+        if scan:  # the unrolled blocks' initial values, stacked (Adam's moments are zeros)
+            state = state.replace(params=jax.tree.map(
+                lambda box, v: box.replace_boxed(v) if is_box(box) else v,
+                state.params, _stacked(initial, shape["num_layers"]), is_leaf=is_box,
+            ))  # fmt: skip
+        else:
+            initial = jax.device_get(nn.meta.unbox(state.params))
+        step = repl.compile(experiment.train_step)
+        state, _ = step(repl.replicate(state), repl.shard_batch(batch))
+        trained.append(jax.device_get(nn.meta.unbox(state.params)))
+    unrolled, scanned = _stacked(trained[0], shape["num_layers"]), trained[1]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), scanned, unrolled
+    )
+
+
+def _stacked(unrolled, num_layers: int):
+    """Unrolled parameters (``block_<i>``) as the scanned model's (``blocks``)."""
+    params = {k: v for k, v in unrolled.items() if not k.startswith("block_")}
+    layers = [unrolled[f"block_{i}"] for i in range(num_layers)]
+    params["blocks"] = jax.tree.map(lambda *x: jnp.stack(x), *layers)
+    return params

@@ -154,6 +154,34 @@ def test_lm_params_get_fsdp_by_default():
     assert cube["params/blocks/mlp/proj/kernel"] == P(None, "tensor", "fsdp")
 
 
+def test_a_stacked_layers_small_parameters_stay_replicated_by_their_size_per_layer():
+    # lm_1b's shape: 20 scanned blocks stack each LayerNorm scale on a "layers" axis,
+    # (20, 2048) = 40,960 elements, above min_size; one layer's 2,048 is below it, so
+    # the stack stays whole: no all-gather per layer in the step (issue 46).
+    from experiments.lm.model import Transformer
+
+    model = Transformer(vocab_size=256, num_layers=20, num_heads=16, embed_dim=2048,
+                        mlp_dim=8192, max_len=2048)  # fmt: skip
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    plan = sh.plan_param_shardings(abstract, mesh_of(fsdp=8))
+    stacked = {p.path: p for p in plan.placements if p.path.startswith("params/blocks/")}
+    assert stacked["params/blocks/ln_mlp/scale"].shape == (20, 2048)
+    small = {path for path, p in stacked.items() if p.spec == P()}
+    assert small == {
+        f"params/blocks/{name}" for name in (
+            "ln_attention/scale", "ln_attention/bias", "ln_mlp/scale", "ln_mlp/bias",
+            "attention/qkv_bias", "attention/out_bias", "mlp/fc/bias", "mlp/proj/bias",
+        )
+    }  # fmt: skip
+    for path, p in stacked.items():
+        per_layer = int(np.prod(p.shape[1:]))
+        assert (path in small) == (per_layer < sh.MIN_SHARD_SIZE), p
+    assert "fsdp" in stacked["params/blocks/mlp/fc/kernel"].spec
+    # A pipeline's stages still hold their own layers of a small stack.
+    staged = sh.plan_param_shardings(abstract, mesh_of(stage=2, fsdp=4)).placements
+    assert {p.path: p.spec for p in staged}["params/blocks/ln_mlp/scale"] == P("stage")
+
+
 def test_context_devices_hold_the_weights_as_fsdp_ones_do():
     # MaxText's placement: a context device splits the sequence and the weights.
     from experiments.lm.model import Transformer
@@ -352,6 +380,45 @@ def test_compiled_step_on_the_cube_equals_one_device(cube, tx, rules):
         return
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # two LM compiles (8 devices and one): 25 s of CPU, 77 s on a loaded host
+def test_an_lm_whose_small_stacked_parameters_stay_whole_trains_like_one_device():
+    # Kernels split over fsdp, the scanned stack's norms and biases (below min_size per
+    # layer, above it stacked) whole on every device: their gradients are summed over
+    # the replicas instead of reduce-scattered; AdamW's decay skips them either way.
+    from experiments.lm import make_experiment
+    from experiments.lm.task import make_preprocess, summarize
+    from replicator.trainer.experiment import Settings
+    from replicator.trainer.optimizer import OptimizerSpec, path_names
+
+    model = dict(vocab_size=64, num_layers=4, num_heads=2, embed_dim=32, mlp_dim=64, max_len=32)
+    spec = OptimizerSpec(name="adamw", learning_rate=3e-3, weight_decay=0.1, num_train_steps=3)
+    rng = np.random.default_rng(0)
+    batches = [make_preprocess(32)({"tokens": rng.integers(0, 64, (16, 33))}) for _ in range(3)]
+
+    def train(repl):
+        experiment = make_experiment(Settings(
+            repl=repl, model=model, learning_rate=3e-3, optimizer="adamw", num_train_steps=3,
+            grad_accum_steps=1, seed=0, optimizer_spec=spec,
+        ))  # fmt: skip
+        example = jax.tree.map(lambda x: x[0], batches[0])
+        state = repl.init(experiment.init_state, jax.random.key(0), example)
+        step, losses = repl.compile(experiment.train_step), []
+        for batch in batches:
+            state, sums = step(state, repl.shard_batch(batch))
+            losses.append(summarize(jax.device_get(sums))["loss"])
+        return losses, state.params
+
+    losses, params = train(rp.Replicator(mesh={"fsdp": 8}, min_size=200))
+    placed = dict(zip(path_names(params), (x.sharding.spec for x in jax.tree.leaves(params))))
+    for name in ("ln_attention/scale", "attention/qkv_bias", "mlp/fc/bias"):  # 128-512 stacked
+        assert placed[f"blocks/{name}"] == P(), name
+    for name in ("attention/qkv_kernel", "mlp/fc/kernel", "mlp/proj/kernel"):
+        assert "fsdp" in placed[f"blocks/{name}"], name
+    one_losses, one_params = train(rp.Replicator(devices=jax.devices()[:1]))
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    assert_trained_alike(jax.device_get(params), jax.device_get(one_params))
 
 
 # ------------------------------------------------------------------------ report

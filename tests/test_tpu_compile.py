@@ -430,3 +430,47 @@ def test_the_workers_pin_the_compiler_that_compiled_here():
     assert pins == [f'printf "%s\\n" {" ".join(env.pins)} > "$env/pins.txt"',
                     'export UV_CONSTRAINT="$env/pins.txt"']  # fmt: skip
     assert "pinned to this machine's compiler: jax " in worker_env.describe_environment(env)
+
+
+def hf_llama_dir(root, **config):
+    """A Hugging Face Llama checkpoint's directory in which only config.json is sound: its
+    weights and tokenizer are not what they claim to be, so reading either would fail."""
+    root.mkdir()
+    shape = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "tie_word_embeddings": False, **config}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(shape))
+    (root / "model.safetensors").write_bytes(b"\xff" * 64)  # no safetensors header
+    (root / "tokenizer.json").write_text("{ not a tokenizer")
+    return root
+
+
+def test_the_compiles_model_shape_comes_from_config_json_or_else_the_config(tmp_path):
+    ckpt = hf_llama_dir(tmp_path / "ckpt")
+    config = load_config("llama3_8b", init_from=f"hf:{ckpt}")
+    assert config.model.mlp_dim == 64
+    shaped, words = aot.checkpoint_shape(config)
+    assert shaped.model.mlp_dim == 96  # the checkpoint's intermediate_size
+    assert words == f"init_from hf:{ckpt}: the model's shape from its config.json; no weights read"
+    gone = load_config("llama3_8b", init_from="hf:/no/such/ckpt", tokenizer="/no/such/tok.json")
+    shaped, words = aot.checkpoint_shape(gone)  # the pod's disk: config.model stands
+    assert shaped.model.to_dict() == gone.model.to_dict()
+    assert words.startswith("init_from hf:/no/such/ckpt: not on this machine")
+    assert words.endswith("no weights read; config.tokenizer=/no/such/tok.json not read")
+
+
+@needs_libtpu
+def test_a_compile_reads_no_weights_and_no_tokenizer(tmp_path):
+    """init_from a checkpoint whose weight file and tokenizer cannot be parsed: the
+    compile reads config.json alone and says so, in the report and on the console."""
+    ckpt = hf_llama_dir(tmp_path / "ckpt")
+    done = run_cli(
+        "compile", "--config", "configs/llama3_8b.py:smoke", "--topology", "v5e-4",
+        "--steps", "train", "--workdir", str(tmp_path / "w"),
+        f"--config.init_from=hf:{ckpt}", f"--config.tokenizer={ckpt}/tokenizer.json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads((report_folder(tmp_path / "w") / "report.json").read_text())
+    said = f"no weights read; config.tokenizer={ckpt}/tokenizer.json not read"
+    assert report["shapes"].endswith(said) and said in done.stdout
+    assert report["train_step"]["fits"]

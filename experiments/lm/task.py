@@ -206,6 +206,17 @@ def check_tokenizer(spec: str, dataset: str | None, vocab_size: int) -> Tokenize
     return tokenizer
 
 
+def _separator(settings: Settings, options: Mapping[str, Any], vocab_size: int) -> int | None:
+    """The id that ends a packed window's documents (None unpacked), the config's tokenizer
+    checked first (`check_tokenizer`); a compile (``settings.shapes_only``) reads no
+    tokenizer: the id's value changes no shape, and ``vocab_size`` gives the shapes."""
+    if settings.shapes_only:
+        return 0 if options["pack_documents"] else None
+    if "tokenizer" in settings.options:  # a config's: checked before anything is written
+        check_tokenizer(options["tokenizer"], settings.dataset, vocab_size)
+    return document_separator(options["tokenizer"]) if options["pack_documents"] else None
+
+
 def make_experiment(settings: Settings) -> Experiment:
     """The language-modelling `Experiment` for the trainer.
 
@@ -224,9 +235,7 @@ def make_experiment(settings: Settings) -> Experiment:
     """
     options = options_of(settings)  # the LM's keys (`experiments.lm.config`)
     network = make_model(settings.model, **{key: options[key] for key in MODEL_OPTIONS})
-    if "tokenizer" in settings.options:  # a config's: checked before anything is written
-        check_tokenizer(options["tokenizer"], settings.dataset, network.vocab_size)
-    separator = document_separator(options["tokenizer"]) if options["pack_documents"] else None
+    separator = _separator(settings, options, network.vocab_size)
     model = settings.repl.apply_policy(network)
     tx = settings.make_optimizer()
 

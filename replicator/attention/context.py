@@ -83,6 +83,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from replicator.attention import blocks as blocks
@@ -174,8 +175,9 @@ def context_attention(
         _local_attention, strategy=strategy, balanced=load_balanced, axis=axis, kernel=kernel
     )
     if manual:
-        return local(*args, whole=whole)
-    return _split_program(local, axis, k_BxTxKxD.shape, len(args), kernel)(*args)
+        return checkpoint_name(local(*args, whole=whole), "context")
+    out = _split_program(local, axis, k_BxTxKxD.shape, len(args), kernel)(*args)
+    return checkpoint_name(out, "context")  # for remat policies keeping it, as a whole one's
 
 
 def _split_program(local, axis: str, shape: tuple[int, ...], count: int, kernel):

@@ -27,6 +27,10 @@ activation rules split them (`replicator.parallel.activations`). Inside `Replica
 splash is refused: its backward pass does not keep track of the values that vary
 per replica (JAX's ``check_vma``), so a per-replica step uses XLA's attention.
 
+For rematerialisation (`replicator.step.remat`) the output is named ``context``
+(``checkpoint_name``); splash names its output and log-sum-exp, all its backward
+needs, so a policy keeping ``context`` runs no second forward kernel.
+
 Packed documents: with ``segment_ids`` (int32 ``[batch, time]``) a query attends
 only to the keys at or before it that carry its own id. Splash takes them as its
 ``SegmentIds`` (it skips no more blocks than the causal mask, but masks within
@@ -44,6 +48,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -84,16 +89,17 @@ def causal_attention(
     """
     shape = q_BxTxHxD.shape
     chosen = choose_implementation(implementation, q_BxTxHxD.dtype, shape, segment_ids)
-    if chosen == "splash":
+    if chosen == "splash":  # names its output and log-sum-exp "context" itself
         return _splash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids)
     mask = None
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
         _check_segment_ids(segment_ids, shape)
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # Bx1xTxT
-    return jax.nn.dot_product_attention(
+    out = jax.nn.dot_product_attention(
         q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask=mask, is_causal=True, implementation=chosen
     )
+    return checkpoint_name(out, "context")
 
 
 def choose_implementation(

@@ -5,8 +5,10 @@ probabilities to HBM, and skips the blocks its mask hides. Off a TPU it runs in
 Pallas's interpreter: slow, but the same program, so its numbers can be checked
 anywhere. Two uses:
 
-* `whole_sequence`: causal attention over a whole sequence, with the kernel's own
-  gradient (`replicator.attention.kernels.causal_attention`'s ``"splash"``).
+* `whole_sequence`: causal attention over a whole sequence
+  (`replicator.attention.kernels.causal_attention`'s ``"splash"``), differentiated by
+  splash's backward kernels against its output and log-sum-exp, which a remat policy
+  can keep by name (``context``).
 * `attend_block` / `block_grads`: the kernel interface of
   `replicator.attention.blocks`. The forward is the public kernel asked to keep its
   residuals (``save_residuals=True``: the output and its log-sum-exp); the backward
@@ -21,10 +23,12 @@ multi-query kernel, mapped over the key heads and the batch).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from replicator.runtime import compat
 
@@ -72,19 +76,63 @@ def whole_sequence(
     interpret: bool,
 ) -> jax.Array:
     """One device's causal splash attention over its whole batch and heads, in ``q``'s
-    dtype; differentiable (splash's own backward)."""
+    dtype; differentiable by splash's own backward kernels.
+
+    The forward's output and log-sum-exp, all the backward needs besides ``q``, ``k``
+    and ``v``, are named ``context`` (``checkpoint_name``): a remat policy that keeps
+    the attention's output (``minimal_with_context``) keeps them, and the backward
+    pass runs no second forward kernel. The public kernel's own VJP hides them
+    from the policy, so under remat its forward always ran twice.
+    """
+    head_dim = q_BxHxTxD.shape[-1]
+    q = q_BxHxTxD * jnp.asarray(1 / math.sqrt(head_dim), q_BxHxTxD.dtype)
+    ids = None if segment_ids_BxT is None else (segment_ids_BxT, segment_ids_BxT)
+    return _attention(q, k_BxHxTxD, v_BxHxTxD, ids, interpret).astype(q_BxHxTxD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, ids, interpret):
+    return _attention_fwd(q, k, v, ids, interpret)[0]
+
+
+def _attention_fwd(q, k, v, ids, interpret):
+    kernel = _whole_kernel(q, interpret, residuals=True)
+
+    def one(q, k, v, ids):  # one example: [H, T, D]
+        out, (lse,) = kernel(q, k, v, segment_ids=ids)
+        return out, lse
+
+    out, lse = jax.vmap(one)(q, k, v, _segment_ids(ids))
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
+    return out, (q, k, v, ids, out, lse)
+
+
+def _attention_bwd(interpret, residuals, d_out):
+    q, k, v, ids, out, lse = residuals
+    kernel = _whole_kernel(q, interpret, residuals=False)
+
+    def one(q, k, v, ids, out, lse, d_out):
+        return compat.splash_backward(kernel, q, k, v, ids, out, lse, d_out)
+
+    d_q, d_k, d_v = jax.vmap(one)(q, k, v, _segment_ids(ids), out, lse, d_out.astype(q.dtype))
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _whole_kernel(q_BxHxTxD, interpret, residuals):
+    _, heads, length, _ = q_BxHxTxD.shape
+    return _kernel(
+        length, length, heads, causal=True, offset=0, mqa=False, interpret=interpret,
+        residuals=residuals,
+    )  # fmt: skip
+
+
+def _segment_ids(ids):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    _, heads, length, head_dim = q_BxHxTxD.shape
-    kernel = _kernel(length, length, heads, causal=True, offset=0, mqa=False, interpret=interpret)
-    q = q_BxHxTxD * jnp.asarray(1 / math.sqrt(head_dim), q_BxHxTxD.dtype)
-    if segment_ids_BxT is None:
-        return jax.vmap(kernel)(q, k_BxHxTxD, v_BxHxTxD).astype(q_BxHxTxD.dtype)
-    segments = splash.SegmentIds(q=segment_ids_BxT, kv=segment_ids_BxT)
-    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
-        q, k_BxHxTxD, v_BxHxTxD, segments
-    )
-    return out.astype(q_BxHxTxD.dtype)
+    return None if ids is None else splash.SegmentIds(q=ids[0], kv=ids[1])
 
 
 def attend_block(q, k, v, *, causal: bool, offset: int, segments, interpret: bool):

@@ -3,7 +3,8 @@
 A model names the tensors worth keeping with ``jax.ad_checkpoint.checkpoint_name``
 (MaxText's names: ``query_proj``, ``key_proj``, ``value_proj``, ``qkv_proj`` for
 the attention's input projections, ``context`` for the attention's output before
-its projection, ``out_proj`` after it, ``mlpwi`` / ``mlpwo`` for the MLP's two
+its projection (named by `replicator.attention`: splash's output and the
+log-sum-exp its backward needs), ``out_proj`` after it, ``mlpwi`` / ``mlpwo`` for the MLP's two
 matmuls) and wraps each repeated block in ``jax.checkpoint`` (``nn.remat``) with
 `checkpoint_policy`. The policies are MaxText's, by the same names, so a recipe
 read there means the same here:
@@ -12,6 +13,8 @@ read there means the same here:
 ``None``                      no rematerialisation: everything is kept
 ``"full"``                    nothing is kept but the block's input
 ``"minimal"``                 every projection (q/k/v, out, both MLP matmuls)
+``"minimal_with_context"``    as ``minimal``, and the attention's output before its
+                              projection (``context``)
 ``"save_dot_except_mlp"``     the attention projections, not the MLP's
 ``"save_qkv_proj"``           only the q/k/v projections
 ``"minimal_offloaded"``       as ``minimal``, but kept in host memory
@@ -30,10 +33,12 @@ import jax
 
 ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj")
 MLP_PROJECTIONS = ("mlpwi", "mlpwo")
+ATTENTION_OUTPUT = "context"
 REMAT_POLICIES = (
     None,
     "full",
     "minimal",
+    "minimal_with_context",
     "save_dot_except_mlp",
     "save_qkv_proj",
     "minimal_offloaded",
@@ -78,6 +83,10 @@ def checkpoint_policy(name: str) -> Callable[..., Any] | None:
         return None
     if name == "minimal":
         return policies.save_only_these_names(*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS)
+    if name == "minimal_with_context":
+        return policies.save_only_these_names(
+            *ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, ATTENTION_OUTPUT
+        )
     if name == "save_dot_except_mlp":
         return policies.save_only_these_names(*ATTENTION_PROJECTIONS)
     if name == "save_qkv_proj":

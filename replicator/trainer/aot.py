@@ -24,9 +24,14 @@ what the step needs.
 
 Nothing reads the data either: an example's shapes come from the dataset's
 metadata (`replicator.trainer.data.metadata`; a dataset of one's own without any
-is read for one example, and the report says which). So a compile, and ``launch
-tpu``'s pre-flight that runs it, needs only the config and the topology: no
-bucket, no credentials, no dataset built.
+is read for one example, and the report says which). Nor the weights: with
+``init_from='hf:DIR'`` the model's shape comes from ``DIR/config.json`` alone (a DIR
+not on this machine, such as a pod's disk, leaves ``config.model`` as it is), and
+the config's tokenizer is not read (`checkpoint_shape`; the report's shapes line
+says both). So a compile, and ``launch tpu``'s pre-flight that runs it, needs only
+the config and the topology: no bucket, no credentials, no dataset built, no
+checkpoint. (A dataset named with its own ``tokenizer=FILE`` still reads FILE: its
+fingerprint names the dataset's prepared copy.)
 
 Each compile's files go together into one folder keyed by the command line's
 overrides (`report_dir`), written whole: a compile with other overrides has a
@@ -58,7 +63,7 @@ from replicator.compiled import topology as topology
 from replicator.errors import ConfigError, TopologyError
 from replicator.parallel import diloco as diloco
 from replicator.parallel import placement as placement
-from replicator.trainer import data
+from replicator.trainer import data, pretrained
 from replicator.trainer.compile_report import CompileReport as CompileReport
 from replicator.trainer.compile_report import StepReport as StepReport
 from replicator.trainer.compile_report import fit_text as fit_text
@@ -144,6 +149,7 @@ def compile_for_topology(
         log.info("--slices %d: dcn_mesh={'data': %d} (data parallel across the slices, "
                  "config.mesh within each)", slices, slices)  # fmt: skip
     start = time.perf_counter()
+    config, model_read = checkpoint_shape(config)
     shaped = example_shapes(config)
     run = _setup(config, topology.devices(spec, slices), spec, slices, shaped.example)
     try:
@@ -152,7 +158,7 @@ def compile_for_topology(
             "compiling %s for %s: %d chips of %s (%s%s), mesh %s, step_path %r; %s",
             config.experiment, spec.name, slices * spec.chips, spec.chip.name, spec.topology,
             f" x {slices} slices" if slices > 1 else "", _axes(mesh), config.step_path,
-            _shapes_line(shaped),
+            _shapes_line(shaped, model_read),
         )  # fmt: skip
         log.info("  the run built in %.0f s", time.perf_counter() - start)
         train, evaluate, decode, programs = _compile_steps(run, spec, steps)
@@ -162,7 +168,7 @@ def compile_for_topology(
         spec.name, slices, slices * spec.chips, spec.chip.name, mesh,
         None if config.dcn_mesh is None else dict(config.dcn_mesh),
         spec.chip.usable_hbm_bytes, train, evaluate, compiler_versions(), decode,
-        _shapes_line(shaped), dict(overrides or {}),
+        _shapes_line(shaped, model_read), dict(overrides or {}),
     )  # fmt: skip
     if workdir is not None:
         write_report(report, programs, report_dir(workdir, overrides))
@@ -203,10 +209,38 @@ def example_shapes(config: ml_collections.ConfigDict) -> metadata.ShapedExample:
     return metadata.example_from_metadata(config.dataset, config.data_dir)
 
 
-def _shapes_line(shaped: metadata.ShapedExample) -> str:
-    if shaped.example is not None:
-        return shaped.how
-    return f"shapes from one example read from the dataset ({shaped.how})"
+def checkpoint_shape(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+    """``config`` with the model's shape from its ``init_from='hf:DIR'`` checkpoint's
+    ``config.json`` (`pretrained.checkpoint_model`), and what the compile read for it.
+
+    A compile reads that small file alone: never the weights, nor the config's
+    tokenizer (`Settings.shapes_only`). A DIR that is not on this machine (the pod's
+    disk) leaves ``config.model`` as it is, and the words say so.
+
+    Returns:
+      ``(config, words)``: the words for the report ("" without ``hf:`` or a tokenizer).
+    """
+    tokenizer = config.get("tokenizer")
+    unread = f"; config.tokenizer={tokenizer} not read" if tokenizer not in (None, "bytes") else ""
+    spec = config.get("init_from")
+    if not pretrained.is_pretrained(spec):
+        return config, unread.lstrip("; ")
+    directory = os.path.expanduser(spec[len(pretrained.PREFIX) :])
+    if not os.path.isdir(directory):
+        log.warning("init_from %s: no such directory here: the model's shape is config.model's",
+                    spec)  # fmt: skip
+        return config, (f"init_from {spec}: not on this machine, the model's shape is "
+                        f"config.model's; no weights read{unread}")  # fmt: skip
+    config = pretrained.checkpoint_model(config)
+    return config, (f"init_from {spec}: the model's shape from its config.json; "
+                    f"no weights read{unread}")  # fmt: skip
+
+
+def _shapes_line(shaped: metadata.ShapedExample, model_read: str = "") -> str:
+    how = shaped.how if shaped.example is not None else (
+        f"shapes from one example read from the dataset ({shaped.how})"
+    )  # fmt: skip
+    return f"{how}; {model_read}" if model_read else how
 
 
 def _simulate_crash(config: ml_collections.ConfigDict) -> None:
@@ -222,7 +256,8 @@ def _setup(config, devices, spec: topology.Accelerator, slices: int, example) ->
     standing in for the eval split); a mesh that does not fit them is a
     `TopologyError` naming the slice."""
     try:
-        return setup(config, devices=devices, eval_source=None if example is None else [example])
+        return setup(config, devices=devices, shapes_only=True,
+                     eval_source=None if example is None else [example])  # fmt: skip
     except ConfigError as e:
         if "mesh" not in str(e).lower():
             raise

@@ -368,7 +368,8 @@ def _compile(console: Console) -> None:
         storage.check_writable(workdir)
     elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
-    config = _with_checkpoint_model(config_files.config_for("compile", workdir))
+    # init_from='hf:DIR' not on this machine (a pod's disk): the shape is config.model's.
+    config = _with_checkpoint_model(config_files.config_for("compile", workdir), required=False)
     overrides = aot.overrides_of(config_files.overrides_text())
     if _FIT.value:
         from replicator.trainer import fit

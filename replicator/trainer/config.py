@@ -101,7 +101,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "weight_decay_mask": (
         (str, None),
         None,
-        "regex over parameter paths to decay (None: the parameters with 2+ dimensions)",
+        "regex over parameter paths to decay (None: those with 2+ dimensions per layer)",
     ),
     "grad_clip_norm": (
         (float, None),
@@ -157,7 +157,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "fsdp_min_size": (
         (int,),
         sharding.MIN_SHARD_SIZE,
-        "parameters with fewer elements get no automatic FSDP (0: shard all)",
+        "parameters with fewer elements per layer get no automatic FSDP (0: shard all)",
     ),
     "precision": ((str, None), None, "None (fp32), 'bf16' or 'fp16' (dynamic loss scale)"),
     "offload_optimizer_state": (

@@ -140,6 +140,9 @@ class Settings:
       options: the values of the top-level keys the experiment declares
         (`ConfigKeys.options`), e.g. the LM's ``{"remat_policy": "full", ...}``;
         a key left out is at its declared default.
+      shapes_only: the steps are only compiled (``python -m replicator compile``):
+        nothing runs, so the experiment reads no file that changes no shape (the
+        LM: no tokenizer; ``model.vocab_size`` gives the shapes).
     """
 
     repl: Replicator
@@ -153,6 +156,7 @@ class Settings:
     optimizer_spec: OptimizerSpec | None = None
     dataset: str | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    shapes_only: bool = False
 
     @property
     def spec(self) -> OptimizerSpec:

@@ -14,9 +14,13 @@ The candidates, in rounds:
 1. every remat policy (`replicator.step.remat.REMAT_POLICIES`), the config's
    accumulation and offload as given;
 2. for each policy that does not fit and could still beat the fastest that
-   does (its roofline unknown, or lower): ``grad_accum_steps`` doubled, then
-   quadrupled (while the batch splits), then the optimizer state in host memory
-   (``step_path='compile'`` only).
+   does (its roofline unknown, or lower), and for each that fits as fast as the
+   fastest (within 1%: smaller pieces may need less memory at the same speed):
+   ``grad_accum_steps`` doubled, then quadrupled (while the batch splits), then
+   the optimizer state in host memory (``step_path='compile'`` only).
+
+Among programs equally fast (within 1%) the one needing the least memory per chip
+wins: the same speed with more headroom.
 
 A child that dies by a signal (libtpu can answer a far-too-large program with
 SIGSEGV) is a candidate that does not fit, and the search goes on. Children run
@@ -95,7 +99,9 @@ class Outcome:
       memory_bytes: the train step's HBM per chip (None where nothing compiled).
       roofline_s: its roofline step time (None where there is no program).
       bound: what bounds it: compute, hbm, ici or dcn.
-      mfu_ceiling: the MFU its roofline allows.
+      mfu_ceiling: the MFU its roofline allows, counting every FLOP it runs (recomputed
+        ones too): 100% wherever compute bounds it.
+      flops: the train step's FLOPs per chip (None where there is no program).
       message: why it was refused or failed, or how the compiler crashed.
       seconds: how long the compile took (0 when cached).
       cached: read from the cache.
@@ -114,6 +120,7 @@ class Outcome:
     cached: bool = False
     report: str | None = None
     eval_memory_bytes: int | None = None
+    flops: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -192,7 +199,8 @@ def second_round(
 ) -> list[Candidate]:
     """For each policy that does not fit and might beat the fastest that does: more
     microbatches (while the batch splits over ``devices`` into them), then the
-    optimizer state in host memory."""
+    optimizer state in host memory; for each that fits as fast as the fastest, more
+    microbatches."""
     best = fastest(outcomes)
     tried = {o.candidate for o in outcomes}
     accum = int(config.get("grad_accum_steps", 1) or 1)
@@ -200,30 +208,46 @@ def second_round(
     offload = config.get("step_path") == "compile" and not config.get("offload_optimizer_state")
     found = []
     for outcome in outcomes:
-        if outcome.fits or outcome.status in (REFUSED, FAILED):
+        if outcome.status in (REFUSED, FAILED) or not _worth_splitting(outcome, best):
             continue
-        if best is not None and outcome.roofline_s is not None:
-            if outcome.roofline_s >= best.roofline_s:
-                continue  # smaller pieces of it would be no faster than what fits
         base = outcome.candidate.overrides
         if not base and "remat_policy" in config:
             base = (("remat_policy", str(config.get("remat_policy"))),)
         steps = [base + (("grad_accum_steps", str(k)),) for k in more]
-        if offload:
+        if offload and not outcome.fits:
             steps.append(base + (("offload_optimizer_state", "True"),))
         found += [Candidate(c) for c in steps if Candidate(c) not in tried]
     return list(dict.fromkeys(found))
 
 
+def _worth_splitting(outcome: Outcome, best: Outcome | None) -> bool:
+    """Whether more microbatches of ``outcome`` might win: it does not fit and might be
+    faster than the fastest that does, or it fits as fast as that (within 1%), where
+    smaller pieces run the same FLOPs in less memory."""
+    if best is None or outcome.roofline_s is None:
+        return not outcome.fits
+    if outcome.fits:
+        return outcome.roofline_s <= best.roofline_s * 1.01
+    return outcome.roofline_s < best.roofline_s  # else no faster than what fits
+
+
 def fastest(outcomes: Sequence[Outcome]) -> Outcome | None:
-    """The fitting outcome of the lowest roofline; among equals (within 1%), the one
-    with fewer overrides, then less memory."""
+    """The fitting outcome of the lowest roofline; among equals (within 1%), one that
+    keeps everything in HBM, then the one needing the least memory per chip (the same
+    speed with more headroom), then fewer overrides."""
     fitting = [o for o in outcomes if o.fits and o.roofline_s is not None]
     if not fitting:
         return None
     low = min(o.roofline_s for o in fitting)
     near = [o for o in fitting if o.roofline_s <= low * 1.01]
-    return min(near, key=lambda o: (len(o.candidate.overrides), o.memory_bytes or 0))
+    return min(near, key=lambda o: (_offloads(o), o.memory_bytes or 0, len(o.candidate.overrides)))
+
+
+def _offloads(outcome: Outcome) -> bool:
+    """Whether the candidate moves anything to host memory, which its roofline leaves out."""
+    values = dict(outcome.candidate.overrides)
+    policy = values.get("remat_policy", "")
+    return values.get("offload_optimizer_state") == "True" or policy.endswith("_offloaded")
 
 
 # ---------------------------------------------------------------- the search
@@ -314,6 +338,7 @@ def read_outcome(entry: str, candidate: Candidate, code: int) -> Outcome:
         train["roofline"].get("mfu_ceiling"),
         message=_oom_note(train), report=found[0],
         eval_memory_bytes=None if not eval_step else eval_step["total_bytes"],
+        flops=train.get("flops"),
     )  # fmt: skip
 
 
@@ -412,8 +437,11 @@ def _result(outcome: Outcome) -> str:
 
 
 def table_lines(outcomes: Sequence[Outcome], hbm: int) -> list[str]:
-    """The candidates as a table: memory per chip, fits, roofline, bound, MFU ceiling."""
+    """The candidates as a table: memory per chip, fits, roofline, bound, and the MFU its
+    roofline allows counting only the FLOPs of the candidate that runs fewest (the one
+    that recomputes least): recomputation is no useful work (`useful_mfu`)."""
     width = max([len(o.candidate.label) for o in outcomes] + [9])
+    least = min((o.flops for o in outcomes if o.flops), default=None)
     head = f"  {'candidate':<{width}}  {'HBM/chip':>10}  {'fits':<4}  {'roofline':>9}  bound    MFU"
     lines = [head]
     for o in outcomes:
@@ -424,14 +452,29 @@ def table_lines(outcomes: Sequence[Outcome], hbm: int) -> list[str]:
         memory = "-" if o.memory_bytes is None else size_text(o.memory_bytes)
         roof = "-" if o.roofline_s is None else duration_text(o.roofline_s)
         bound = "-" if o.bound is None else bound_text(o.bound)
-        mfu = "-" if o.mfu_ceiling is None else f"{100 * o.mfu_ceiling:.0f}%"
+        useful = useful_mfu(o, least)
+        mfu = "-" if useful is None else f"{100 * useful:.0f}%"
         why = f"  ({o.message})" if o.message else ""
         fits = "yes" if o.fits else "no"
         lines.append(
             f"  {label:<{width}}  {memory:>10}  {fits:<4}  {roof:>9}  {bound:<7}  {mfu:>4}{why}"
         )
-    lines.append(f"  (the train step, per chip, against {hbm / GiB:.4g} GiB of HBM)")
+    lines.append(f"  (the train step, per chip, against {hbm / GiB:.4g} GiB of HBM; MFU: "
+                 "the fewest FLOPs of any candidate over roofline x peak)")  # fmt: skip
     return lines
+
+
+def useful_mfu(outcome: Outcome, least_flops: float | None) -> float | None:
+    """The MFU that ``outcome``'s roofline allows counting ``least_flops`` per chip (the
+    program that recomputes least) as its work: its MFU ceiling x least / its FLOPs.
+
+    >>> full = Outcome(Candidate((("remat_policy", "full"),)), FITS, mfu_ceiling=1.0, flops=4.0)
+    >>> useful_mfu(full, 3.0)  # compute-bound, a quarter of its FLOPs recomputed
+    0.75
+    """
+    if outcome.mfu_ceiling is None or not outcome.flops or not least_flops:
+        return outcome.mfu_ceiling
+    return outcome.mfu_ceiling * least_flops / outcome.flops
 
 
 def winner_lines(run: Search, winner: Outcome | None, outcomes: Sequence[Outcome]) -> list[str]:

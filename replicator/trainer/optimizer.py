@@ -10,7 +10,8 @@ What a researcher sets, each one optax piece, composed in one place
    (`OptimizerSpec.batch_factor`);
 2. decoupled weight decay (``weight_decay``), the alias's own where it has one
    (``adamw``, ``lion``, ``lamb``), else `decayed_weights`, scaled by the schedule
-   either way; by default not on parameters with fewer than 2 dimensions;
+   either way; by default not on parameters with fewer than 2 dimensions per
+   layer (`is_matrix`: a scanned block's stacked ``layers`` axis is not counted);
 3. ``lr_mults``: `multiply_updates`, each parameter's update (decay included)
    times the factor of the first ``(regex, factor)`` pair that finds its path,
    which is its learning rate times that factor at every step of the schedule;
@@ -44,6 +45,7 @@ import numpy as np
 import optax
 
 from replicator.errors import ConfigError
+from replicator.parallel.sharding_rules import is_box, layer_shape
 from replicator.step import ema as ema
 from replicator.step.state import TrainState
 
@@ -191,17 +193,29 @@ def path_names(params: PyTree) -> list[str]:
 
 def matching(regex: str | None, params: PyTree, default: Callable[[Any], bool]) -> PyTree:
     """A tree of bools over ``params``: where ``regex`` finds the path (``re.search``), or
-    ``default(leaf)`` where ``regex`` is None."""
+    ``default(leaf)`` where ``regex`` is None. A Flax box (``nn.LogicallyPartitioned``)
+    is one leaf for ``default``, which sees its axis names, and keeps its place in the
+    tree, holding the bool."""
     pattern = None if regex is None else re.compile(regex)
 
     def pick(path, x):
-        return default(x) if pattern is None else bool(pattern.search(path_name(path)))
+        chosen = default(x) if pattern is None else bool(pattern.search(path_name(path)))
+        return x.replace_boxed(chosen) if is_box(x) else chosen
 
-    return jax.tree_util.tree_map_with_path(pick, params)
+    return jax.tree_util.tree_map_with_path(pick, params, is_leaf=is_box)
 
 
-def _matrices(x: Any) -> bool:
-    return np.ndim(x) >= 2
+def is_matrix(x: Any) -> bool:
+    """The default ``weight_decay_mask``: 2 or more dimensions per layer (`layer_shape`: a
+    scanned block's stacked ``layers`` axis not counted, so its LayerNorm scales and
+    biases are vectors, as they are unscanned).
+
+    >>> import flax.linen as nn
+    >>> is_matrix(jnp.zeros((20, 8))), is_matrix(nn.LogicallyPartitioned(jnp.zeros((20, 8)),
+    ...                                                                ("layers", "embed")))
+    (True, False)
+    """
+    return len(layer_shape(x)) >= 2
 
 
 def decayed_weights(
@@ -290,7 +304,7 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
     alias = getattr(optax, spec.name, None)
     if not callable(alias):
         raise ConfigError(f"config.optimizer={spec.name!r} is not an optax optimizer (e.g. 'adam')")
-    mask = lambda params: matching(spec.weight_decay_mask, params, _matrices)
+    mask = lambda params: matching(spec.weight_decay_mask, params, is_matrix)
     args = dict(spec.args)
     own_decay = {"weight_decay", "mask"} <= set(inspect.signature(alias).parameters)
     if own_decay:
@@ -328,7 +342,7 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
     """
     sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
     frozen = jax.tree.leaves(matching(spec.freeze, params, lambda _: False))
-    decayed = jax.tree.leaves(matching(spec.weight_decay_mask, params, _matrices))
+    decayed = jax.tree.leaves(matching(spec.weight_decay_mask, params, is_matrix))
     n_frozen = sum(s for s, f in zip(sizes, frozen) if f)
     n_decayed = sum(s for s, d, f in zip(sizes, decayed, frozen) if d and not f)
     line = f"parameters {sum(sizes):,} ({len(sizes)} arrays): {sum(sizes) - n_frozen:,} trained"

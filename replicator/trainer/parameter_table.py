@@ -52,7 +52,7 @@ def parameter_rows(params: Any, spec: OptimizerSpec) -> list[Row]:
     leaves = jax.tree.leaves(params)
     frozen = jax.tree.leaves(optimizer.matching(spec.freeze, params, lambda _: False))
     decayed = jax.tree.leaves(
-        optimizer.matching(spec.weight_decay_mask, params, lambda x: np.ndim(x) >= 2)
+        optimizer.matching(spec.weight_decay_mask, params, optimizer.is_matrix)
     )
     pairs = tuple(spec.lr_mults)
     rows = []

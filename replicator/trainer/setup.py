@@ -132,12 +132,15 @@ class Run:
 
 
 def setup(
-    config: ml_collections.ConfigDict, *, devices=None, training: bool = True, eval_source=None
-) -> Run:
+    config: ml_collections.ConfigDict, *, devices=None, training: bool = True, eval_source=None,
+    shapes_only: bool = False,
+) -> Run:  # fmt: skip
     """Validates ``config`` and builds the Replicator, experiment, steps and eval data.
 
     ``eval_source`` stands in for the eval split where given: ``compile`` passes one
-    example shaped from the dataset's metadata, so that nothing reads the data.
+    example shaped from the dataset's metadata, so that nothing reads the data; and
+    ``shapes_only`` (`Settings.shapes_only`), so that the experiment reads no file
+    that changes no shape (the LM's tokenizer).
 
     ``training=False`` (eval) skips the checks only training needs, such as the
     train batch splitting over these devices, and fits the mesh to the devices
@@ -158,6 +161,7 @@ def setup(
         optimizer_spec=OptimizerSpec.from_config(config),
         dataset=config.dataset,
         options={key: config[key] for key in config_lib.experiment_keys(config.experiment).options},
+        shapes_only=shapes_only,
     )
     experiment = load_experiment(config.experiment, settings)
     if training:
