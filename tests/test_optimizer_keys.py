@@ -412,6 +412,7 @@ def test_a_key_a_config_sets_can_be_set_back_to_none(tmp_path, digits_data_dir):
     assert saved["ema_decay"] is None and saved["grad_clip_norm"] is None
 
 
+@pytest.mark.slow  # 20 s: two LM compiles; tests/test_params.py holds the decayed set, fast
 def test_a_scanned_lm_steps_with_weight_decay_as_the_unrolled_one_does():
     """AdamW's default mask on the trainer's path (the LM experiment's step, its
     optimizer wrapped by the Replicator): the scanned stack's LayerNorm scales and
