@@ -1,6 +1,7 @@
 """TPU programs: our configs compiled for Cloud TPU slices, beside MaxText's same model.
 
-Usage: .venv/bin/python benchmarks/tpu_programs.py [--only NAME,...] [--docs-only]
+Usage: .venv/bin/python benchmarks/tpu_programs.py [--only NAME,...] [--python X.Y|PATH]
+       [--docs-only]
 
 Every case is one ``python -m replicator compile`` (the trainer's own steps,
 compiled by libtpu for the topology from this CPU host; nothing runs), in a
@@ -30,6 +31,9 @@ time at the chip's published peaks). The cases:
 
 Writes benchmarks/results/tpu_programs.json and, through `render`, the "TPU
 programs" section of docs/benchmarks.md. About 25 minutes on the 2-core machine.
+``--python 3.12`` compiles every case with that Python's JAX and libtpu, the pods'
+(``compile --python``: `replicator.runtime.compiler_env`); each table says which
+compiler compiled it.
 """
 
 from __future__ import annotations
@@ -128,6 +132,10 @@ def cases_8b() -> list[dict]:
         _case("replicator llama3_8b (as shipped)", llama, "v5p-128"),
         _case("replicator llama3_8b at MaxText's default shape, remat full", llama, "v5p-128",
               remat_policy="full", grad_accum_steps="1", **at_default),
+        # Its loss_chunk counts positions: 2,048 of 2,048 makes every logit at once.
+        _case("replicator llama3_8b at MaxText's default shape, remat full, loss_chunk=512",
+              llama, "v5p-128", remat_policy="full", grad_accum_steps="1",
+              **{**at_default, "model.loss_chunk": "512"}),
         _case("replicator lm_8b (as shipped)", lm8b, "v5p-128"),
         _case("replicator lm_8b, remat full", lm8b, "v5p-128", remat_policy="full",
               grad_accum_steps="1"),
@@ -156,12 +164,13 @@ LLAMA3_8B = dict(vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32
                  num_kv_heads=8, head_dim=128, mlp_dim=14_336, mlp_activation="swiglu")  # fmt: skip
 
 
-def compile_case(case: dict, workdir: str) -> dict:
-    """One ``python -m replicator compile`` in its own process; its report.json."""
+def compile_case(case: dict, workdir: str, python: str | None = None) -> dict:
+    """One ``python -m replicator compile`` in its own process (``--python``: by that
+    Python's JAX); its report.json."""
     argv = [
         sys.executable, "-m", "replicator", "compile", "--config", case["config"],
         "--topology", case["topology"], "--slices", str(case["slices"]), "--workdir", workdir,
-        "--steps", "train",
+        "--steps", "train", *(["--python", python] if python else []),
         *(f"--config.{k}={v}" for k, v in case["overrides"].items()),
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -218,7 +227,7 @@ def _is_8b(path: str, result: dict) -> bool:
     return "llama3-8b" in os.path.basename(path) or "llama3-8b" in str(result.get("name"))
 
 
-def measure(only: set[str]) -> dict:
+def measure(only: set[str], python: str | None = None) -> dict:
     result = {"cases": {}, "maxtext": maxtext_rows()}
     with tempfile.TemporaryDirectory() as scratch:
         for table, group in cases().items():
@@ -228,15 +237,21 @@ def measure(only: set[str]) -> dict:
             for i, case in enumerate(group):
                 print(f"== {table} {case['name']} on {case['topology']} x{case['slices']}",
                       flush=True)  # fmt: skip
-                row = compile_case(case, os.path.join(scratch, f"{table}_{i}"))
+                row = compile_case(case, os.path.join(scratch, f"{table}_{i}"), python)
                 if table == "vs_maxtext_8b":
                     row["shape"] = config_shape(case)
                 print("   ", row.get("error") or _brief(row), flush=True)
                 result["cases"][table].append(row)
-    from replicator.trainer.aot import compiler_versions
-
-    result["versions"] = compiler_versions()
+    reports = [r["report"] for rows in result["cases"].values() for r in rows if "report" in r]
+    result["versions"] = reports[0]["versions"] if reports else {}
     return result
+
+
+def compiler_of(rows: list[dict]) -> str:
+    """``compiled by jax 0.12.0.1, jaxlib 0.12.0.1, libtpu 0.0.52`` for a table's rows."""
+    seen = {json.dumps(r["report"]["versions"]) for r in rows if "report" in r}
+    named = [", ".join(f"{k} {v}" for k, v in json.loads(v).items()) for v in sorted(seen)]
+    return f"compiled by {' / '.join(named)}" if named else "not compiled"
 
 
 def config_shape(case: dict) -> dict:
@@ -331,7 +346,7 @@ def render(result: dict) -> str:
         if table == "vs_maxtext_8b":
             lines += _lines_8b(rows, [row for row in result["maxtext"] if row.get("is_8b")])
             continue
-        lines += [titles[table], "", HEADER]
+        lines += [f"{titles[table]} ({compiler_of(rows)})", "", HEADER]
         for row in rows:
             if "error" in row:
                 lines.append(f"| {row['name']} | {_slice(row)} | {row['error'][:120]} |")
@@ -409,7 +424,8 @@ def _lines_8b(ours: list[dict], maxtext: list[dict]) -> list[str]:
     lines = [
         "8B on v5p-128: replicator vs MaxText's llama3-8b (MFU at roofline = 6 N T / "
         "(step x chips x 459 TFLOP/s); N the parameters in matrix products, all but the "
-        f"input embedding: {matmul_parameters(LLAMA3_8B):,} for Llama 3 8B):",
+        f"input embedding: {matmul_parameters(LLAMA3_8B):,} for Llama 3 8B; ours "
+        f"{compiler_of(ours)}):",
         "", HEADER_8B,
     ]  # fmt: skip
     for row in ours:
@@ -464,10 +480,13 @@ def main() -> None:
         "--only", default="", help="tables: shipped, levers, vs_maxtext, vs_maxtext_8b"
     )
     parser.add_argument("--docs-only", action="store_true")
+    parser.add_argument(
+        "--python", default=None, help="compile with this Python's JAX (compile --python)"
+    )
     args = parser.parse_args()
     if not args.docs_only:
         only = set(filter(None, args.only.split(",")))
-        result = measure(only)
+        result = measure(only, args.python)
         if only and os.path.exists(RESULT):  # keep the other tables' last numbers
             with open(RESULT) as f:
                 previous = json.load(f)

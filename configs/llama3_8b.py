@@ -17,8 +17,10 @@ for the train step on a busy 2-core CPU host):
 
     python -m replicator compile --config configs/llama3_8b.py --topology v5p-128
 
-The train step needs 28.1 GiB of a v5p chip's 95.74 (parameters 480 MiB, AdamW
-state 959 MiB; jax 0.10.2, libtpu 0.0.42.1, compiled from a CPU host). Its
+The train step needs 26.5 GiB of a v5p chip's 95.74 with the pods' compiler
+(``--python 3.12``: jax 0.12.0.1, libtpu 0.0.52; parameters 480 MiB, AdamW state
+959 MiB), 28.1 GiB with Python 3.11's (jax 0.10.2, libtpu 0.0.42.1), compiled from a
+CPU host. Its
 roofline is 1.01 s a step, bound by compute (4.6e14 FLOPs per chip, splash
 attention's counted from its shapes): 79.9% MFU at the roofline, ``6 N T / (step x
 64 chips x 459 TFLOP/s)`` with N = 7.50B parameters in matrix products (all but the
@@ -41,7 +43,9 @@ memory, the tie the search now gives to memory:
 
 At MaxText's llama3-8b defaults (12 windows of 2,048 per chip, ``--config.batch_size=768
 --config.model.max_len=2048 --config.dataset=python_stdlib/all_2048
---config.remat_policy=full``): 32.7 GiB, 3.15 s, 76.4% (``docs/benchmarks.md``,
+--config.remat_policy=full``): 26.5 GiB (MaxText 21.0; 12.6 with
+--config.model.loss_chunk=512) on the pods' compiler,
+32.7 GiB on Python 3.11's, 3.15 s, 76.4% (``docs/benchmarks.md``,
 "TPU programs", has MaxText's own compile beside it). Then on the pod
 (``docs/pods.md``), every worker runs:
 

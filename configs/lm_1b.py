@@ -19,21 +19,23 @@ library (``python_stdlib/all_2048``: about 14,500 train windows of 2,048 bytes,
 built offline in about 5 s on first use); 500 steps are about 2.2 epochs.
 
 Compile it for your slice first (the per-chip memory, roofline and collectives,
-on any machine with the ``tpu`` extra):
+on any machine with the ``tpu`` extra; ``--python 3.12`` compiles with the JAX and
+libtpu the pods run):
 
-    python -m replicator compile --config configs/lm_1b.py --topology v5e-16
+    python -m replicator compile --config configs/lm_1b.py --topology v5e-16 --python 3.12
 
-As shipped it needs 3.39 GiB of a v5e chip's 15.75, with a roofline of 291 ms per
-step, compute-bound: 0.80 of MaxText's default program for this shape (remat
-``full``, 366 ms, HBM-bound) and level with MaxText's least-recomputing one
-(``minimal_with_context`` in four microbatches, 291.3 ms; 3.04 GiB on its newer
-compiler, libtpu 0.0.52). Compiled with libtpu 0.0.42.1 from a CPU host, jax 0.10.2;
-``docs/benchmarks.md``, "TPU programs". ``compile --fit`` finds the fastest program
-for another slice: on a v5p-128 (one window per chip) four microbatches do not
-divide the batch: ``--config.grad_accum_steps=1``; on one GPU, whose memory holds
-no 16 windows' activations unrecomputed,
-``--config.remat_policy=full --config.grad_accum_steps=1`` (every block recomputed,
-only its input kept) is the program of the H100 figures in docs/benchmarks.md.
+As shipped it needs 2.91 GiB of a v5e chip's 15.75 (3.12 GB), with a roofline of
+291 ms per step, compute-bound: 0.79 of MaxText's default program for this shape
+(remat ``full``, 366 ms, HBM-bound) and level with MaxText's least-recomputing one
+(``minimal_with_context`` in four microbatches, 291.3 ms, 3.27 GB), both compiled by
+jax 0.12.0.1 with libtpu 0.0.52 from a CPU host; Python 3.11's compiler (jax 0.10.2,
+libtpu 0.0.42.1) makes 3.39 GiB of it. ``docs/benchmarks.md``, "TPU programs".
+``compile --fit`` finds the fastest program for another slice: on a v5p-128 (one
+window per chip) four microbatches do not divide the batch:
+``--config.grad_accum_steps=1``; on one GPU, whose memory holds no 16 windows'
+activations unrecomputed, ``--config.remat_policy=full --config.grad_accum_steps=1``
+(every block recomputed, only its input kept) is the program of the H100 figures in
+docs/benchmarks.md.
 
 Expected: not measured end to end (no accelerator was available when it was
 written).

@@ -15,12 +15,13 @@ tokens (0.5M tokens a step: two windows per chip on a v5p-128).
 Compile it for the pod before anything else (any machine with the ``tpu``
 extra; the numbers are in ``docs/benchmarks.md``, "TPU programs"):
 
-    python -m replicator compile --config configs/lm_8b.py --topology v5p-128
+    python -m replicator compile --config configs/lm_8b.py --topology v5p-128 --python 3.12
     python -m replicator compile --config configs/lm_8b.py --topology v5p-128 --slices 2
 
-The train step needs 27.2 GiB of a v5p chip's 95.74 (parameters 466 MiB, AdamW
-state 932 MiB, temporaries 25.8 GiB; jax 0.10.2, libtpu 0.0.42.1, compiled from a
-CPU host); its roofline is 931 ms a step, bound by compute: 89.6% MFU at the
+The train step needs 25.8 GiB of a v5p chip's 95.74 with the pods' compiler
+(``--python 3.12``: jax 0.12.0.1, libtpu 0.0.52; parameters 466 MiB, AdamW state
+932 MiB), 27.2 GiB with Python 3.11's (jax 0.10.2, libtpu 0.0.42.1), compiled from a
+CPU host; its roofline is 931 ms a step, bound by compute: 89.6% MFU at the
 roofline, ``6 N T / (step x 64 chips x 459 TFLOP/s)`` with N = 7.79B parameters in
 matrix products and T = 524,288 tokens (MaxText's llama3-8b at this batch and
 context, remat ``full``: 72.8% by the same count; ``docs/benchmarks.md``). ``compile

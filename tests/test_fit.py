@@ -127,7 +127,7 @@ def searched(tmp_path_factory):
 
 @pytest.mark.slow  # four compiles in child processes (about 40 s each on 2 loaded cores)
 @needs_libtpu
-def test_a_search_tables_every_candidate_and_reports_a_crash(searched):
+def test_a_search_tables_every_candidate_and_reports_a_crash(searched, monkeypatch):
     run, outcomes, _, seen, _ = searched
     labels = [o.candidate.label for o in outcomes]
     assert labels == [
@@ -148,6 +148,11 @@ def test_a_search_tables_every_candidate_and_reports_a_crash(searched):
     lines = fit.winner_lines(run, winner, outcomes)
     assert lines[0].startswith(f"fastest that fits: {winner.candidate.label}: ")
     assert lines[2].startswith("  compile it: python -m replicator compile --config ")
+    # A search run by `compile --python 3.12` names that Python in the winner's command.
+    from replicator.runtime import compiler_env
+
+    monkeypatch.setenv(compiler_env.ASKED_PYTHON, "3.12")
+    assert " --python 3.12 " in fit.winner_lines(run, winner, outcomes)[2]
 
 
 @pytest.mark.slow

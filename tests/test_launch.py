@@ -16,10 +16,19 @@ import pytest
 
 from replicator import storage
 from replicator.runtime import bundle as bundles
-from replicator.runtime import launch, launch_args, preflight, tpu, worker, worker_env
+from replicator.runtime import (
+    compiler_env,
+    launch,
+    launch_args,
+    preflight,
+    tpu,
+    worker,
+    worker_env,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://bucket/run"]
+THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def printed_commands(out: str) -> list[list[str]]:
@@ -51,7 +60,8 @@ def own_tmp(tmp_path, monkeypatch):
 def test_the_doctests():
     from replicator.runtime import rehearse, shared_paths, slurm
 
-    modules = (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm, launch_args)
+    modules = (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm, launch_args,
+               compiler_env)  # fmt: skip
     for module in modules:
         assert doctest.testmod(module).failed == 0, module.__name__
 
@@ -61,7 +71,16 @@ def test_the_doctests():
 
 def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
     monkeypatch.chdir(ROOT)
-    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--project", "proj", "--python", "3.11"]
+    where = [
+        "--tpu",
+        "my-pod",
+        "--zone",
+        "us-east5-a",
+        "--project",
+        "proj",
+        "--python",
+        THIS_PYTHON,
+    ]
     assert launch.main(["tpu", *where, "--dry-run", "--", *TRAIN]) == 0
     out = capsys.readouterr().out
     digest = bundles.plan_bundle(TRAIN).digest
@@ -72,8 +91,8 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
         "describe my-pod --zone=us-east5-a --project=proj '--format=value(acceleratorType)')"
     ), preflight
     assert out.startswith(f"# bundle {bundle}: ")
-    env = worker_env.plan_environment(ROOT, "3.11")
-    assert f"\n# environment py3.11-{env.digest}: Python 3.11 (uv), " in out
+    env = worker_env.plan_environment(ROOT, THIS_PYTHON)
+    assert f"\n# environment py{THIS_PYTHON}-{env.digest}: Python {THIS_PYTHON} (uv), " in out
     probe, scp, setup, start = printed_commands(out)
     assert scp == [
         "gcloud", "compute", "tpus", "tpu-vm", "scp", f"{own_tmp}/{bundle}", f"my-pod:{bundle}",
@@ -82,16 +101,16 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--worker=all"]
     assert probe[:-1] == setup[:-1] == start[:-1] == [*ssh, "--zone=us-east5-a", "--project=proj"]
     probe = script_of(probe)  # asked first: is the environment there, and if not, reachable?
-    assert f'env="$HOME/.replicator/envs/py3.11-{env.digest}"' in probe
+    assert f'env="$HOME/.replicator/envs/py{THIS_PYTHON}-{env.digest}"' in probe
     assert 'need="pypi.org files.pythonhosted.org"' in probe
     setup = script_of(setup)
     for line in (
         f'bundle="$HOME/.replicator/bundles/{digest}"',
-        f'env="$HOME/.replicator/envs/py3.11-{env.digest}"',  # keyed by the dependencies
+        f'env="$HOME/.replicator/envs/py{THIS_PYTHON}-{env.digest}"',  # keyed by the dependencies
         'if [ ! -d "$bundle" ]; then',  # unpacked once per bundle
         f'tar -xzf "$HOME/{bundle}" -C "$bundle.part"',
         'if [ ! -f "$env/installed" ]; then',  # installed once per dependency spec
-        'uv venv --quiet --python 3.11 "$env"',
+        f'uv venv --quiet --python {THIS_PYTHON} "$env"',
         'uv pip install --quiet --python "$env/bin/python" -r "$bundle/project/pyproject.toml" '
         "--extra tpu",
         'touch "$env/installed"',
@@ -118,7 +137,7 @@ def test_tpu_dry_run_on_one_slice(monkeypatch, capsys, own_tmp):
 def test_tpu_dry_run_on_two_slices(monkeypatch, capsys, own_tmp):
     monkeypatch.chdir(ROOT)
     train = ["train", "--config", "configs/lm_tiny.py", "--workdir", "gs://bucket/lm"]
-    where = ["--tpu", "my-qr", "--zone", "us-east5-a", "--slices", "2", "--python", "3.11"]
+    where = ["--tpu", "my-qr", "--zone", "us-east5-a", "--slices", "2", "--python", THIS_PYTHON]
     assert launch.main(["tpu", *where, "--restarts", "3", "--dry-run", "--", *train]) == 0
     probe, scp, setup, start = printed_commands(capsys.readouterr().out)
     bundle = bundles.plan_bundle(train).name
@@ -213,7 +232,7 @@ def test_no_preflight_ships_a_train_command_unchecked(monkeypatch, capsys, own_t
 def test_a_preflight_without_libtpu_is_one_line(monkeypatch, capsys, own_tmp):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(preflight, "have_libtpu", lambda: False)
-    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--dry-run"]
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--python", THIS_PYTHON, "--dry-run"]
     assert launch.main(["tpu", *where, "--accelerator-type", "v5e-16", "--", *TRAIN]) == 2
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
@@ -223,6 +242,73 @@ def test_a_preflight_without_libtpu_is_one_line(monkeypatch, capsys, own_tmp):
     # Commands other than train have no config to compile: they go ahead.
     script = ["python", "my_script.py"]
     assert launch.main(["tpu", *where, "--accelerator-type", "v5e-16", "--", *script]) == 0
+
+
+def test_the_preflight_compiles_with_the_workers_python(monkeypatch, capsys, own_tmp, tmp_path):
+    """Workers on Python 3.12 (the default) run its JAX; the pre-flight compiles with the
+    same, in an environment made here once. A dry run makes none and says so; the
+    workers are then pinned to nothing here (the tpu extra's versions decide)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert worker_env.DEFAULT_PYTHON == "3.12"
+    where = ["--tpu", "my-pod", "--zone", "us-east5-a", "--accelerator-type", "v5e-16"]
+    python = [] if THIS_PYTHON != "3.12" else ["--python", "3.13"]  # another Python than this
+    assert launch.main(["tpu", *where, *python, "--dry-run", "--", *TRAIN]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# pre-flight: compiling for v5e-16 with the workers' JAX makes its "
+                          "environment here first (uv, once); launching does\n"), out  # fmt: skip
+    assert "pinned" not in out and not (tmp_path / "cache").exists()
+    # Where the workers' Python is this one's, this interpreter compiles and is pinned.
+    assert preflight.compiler_for(THIS_PYTHON, make=False) == sys.executable
+    assert preflight.pins(sys.executable) == worker_env.compiler_pins()
+    assert preflight.compiler_for("/opt/python3.12/bin/python3", make=False) == sys.executable
+
+
+def test_an_environment_that_cannot_be_made_is_one_line(monkeypatch, tmp_path):
+    """A Python uv cannot find (and may not download): one line from `compile --python`,
+    naming the way out; nothing is left half-made."""
+    if not _has_uv():
+        pytest.skip("uv is not installed (the tpu extra has it)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "UV_PYTHON_DOWNLOADS": "never"}
+    args = [
+        "compile",
+        "--config",
+        "configs/digits_cnn.py",
+        "--topology",
+        "v5e-4",
+        "--python",
+        "3.99",
+    ]
+    done = subprocess.run([sys.executable, "-m", "replicator", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(
+        "error: cannot make Python 3.99's environment for the compile (`uv venv"
+    ), line
+    assert f"or --python {THIS_PYTHON} to compile with this machine's JAX" in line, line
+    assert not [p for p in (tmp_path / "cache" / "replicator" / "envs").glob("*") if p.is_dir()]
+
+
+def test_another_environment_gets_no_path_into_this_one(monkeypatch):
+    """What this process's libraries set for this interpreter stays here: libtpu's
+    TPU_LIBRARY_PATH (another JAX would load this libtpu) and OpenCV's library folder."""
+    own = os.path.join(sys.prefix, "lib", "python3", "site-packages", "cv2", "lib64")
+    monkeypatch.setenv("TPU_LIBRARY_PATH", os.path.join(sys.prefix, "libtpu.so"))
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join([own, "/opt/cuda/lib64"]))
+    env = compiler_env.child_environment()
+    assert "TPU_LIBRARY_PATH" not in env and env["LD_LIBRARY_PATH"] == "/opt/cuda/lib64"
+    monkeypatch.setenv("LD_LIBRARY_PATH", own)
+    assert "LD_LIBRARY_PATH" not in compiler_env.child_environment()
+    assert compiler_env.child_environment()["PATH"] == os.environ["PATH"]
+
+
+def _has_uv() -> bool:
+    try:
+        compiler_env.uv_binary()
+    except tpu.LaunchError:
+        return False
+    return True
 
 
 def test_the_pods_accelerator_type_is_asked_of_gcloud(tmp_path, monkeypatch, fake_cloud):
@@ -490,13 +576,14 @@ def test_workers_that_cannot_reach_pypi_are_refused_in_one_line(
     answers = [f"replicator-probe host=t1v-w-{i} {cut_off}" for i in range(3)]
     answers += ["replicator-probe host=t1v-w-3 env=yes"]
     monkeypatch.setenv("FAKE_PROBE_OUTPUT", "\n".join(["Using ssh batch size of 4.", *answers]))
-    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", "3.11", "--no-preflight"]
+    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", THIS_PYTHON, "--no-preflight"]
     assert launch.main([*where, "--", *TRAIN]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == (
         "error: 3 of 4 workers (t1v-w-0, t1v-w-1 ...) of my-pod cannot reach "
         "files.pythonhosted.org, pypi.org (PyPI: the packages, uv) and github.com (uv's "
-        "CPython 3.11) to install the environment: give their network a way out (Cloud NAT), "
+        f"CPython {THIS_PYTHON}) to install the environment: give their network a way out "
+        "(Cloud NAT), "
         "or bring what they need: --wheels (the packages, downloaded here and shipped) with "
         "--python PATH (an interpreter installed on every worker)"
     )
@@ -600,15 +687,15 @@ def test_wheels_and_a_preinstalled_python_need_no_internet(
 
 def test_wheels_dry_run_prints_the_download_and_the_offline_install(monkeypatch, capsys, own_tmp):
     monkeypatch.chdir(ROOT)
-    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", "3.11", "--wheels"]
+    where = ["tpu", "--tpu", "my-pod", "--zone", "z", "--python", THIS_PYTHON, "--wheels"]
     assert launch.main([*where, "--dry-run", "--no-preflight", "--", *TRAIN]) == 0
     out = capsys.readouterr().out
-    env = worker_env.plan_environment(ROOT, "3.11", wheels=True)
+    env = worker_env.plan_environment(ROOT, THIS_PYTHON, wheels=True)
     (download,) = [line for line in out.splitlines() if "pip download" in line]
     for word in (
         "--platform=manylinux_2_35_x86_64",
         "--platform=manylinux2014_x86_64",
-        "--python-version=3.11",
+        f"--python-version={THIS_PYTHON}",
         "--only-binary=:all:",
         "uv",
     ):
@@ -708,7 +795,7 @@ def test_launch_tpu_starts_a_detached_job_that_stop_ends(
     monkeypatch.chdir(experiment)
     workdir = tmp_path / "workdir"
     command = ["python", "job.py", "--workdir", str(workdir)]
-    where = ["tpu", "--tpu", "fake-pod", "--zone", "z", "--python", "3.11"]
+    where = ["tpu", "--tpu", "fake-pod", "--zone", "z", "--python", THIS_PYTHON]
     job_dir = tmp_path / "worker_home" / ".replicator" / "job"
     try:
         lockfile.write_text("")

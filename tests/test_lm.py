@@ -168,7 +168,9 @@ def test_one_big_file_holds_out_its_tail(tmp_path):
 # ---------------------------------------------------------------------- model
 
 
-@pytest.mark.parametrize("positions", ["learned", "rotary"])
+@pytest.mark.parametrize(  # the mask is the same for both: rotary stays in make test
+    "positions", [pytest.param("learned", marks=pytest.mark.slow), "rotary"]
+)
 def test_logits_never_see_the_future(positions):
     model = Transformer(**{**TINY, "max_len": 16}, positions=positions, tie_embeddings=False)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)

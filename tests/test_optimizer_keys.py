@@ -3,6 +3,7 @@ EMA, fine-tuning from another run, freezing; through the CLI where a user meets 
 
 import json
 import os
+import re
 import signal
 
 import jax
@@ -229,22 +230,25 @@ def corrupt_run(tmp_path_factory, ema_run):
     return copy
 
 
+# Through the command line: one line, nothing written. A config key that validation
+# refuses (the first) stands for the others below, which validation refuses alike.
 BAD = [
-    (["--config.lr_schedule=cosin"], ["'lr_schedule'='cosin' is not one of"]),
-    (["--config.warmup_steps=999"], ["'warmup_steps'=999 is more than 'num_train_steps'"]),
     (["--config.weight_decay=-0.1"], ["'weight_decay' must be >= 0.0"]),
-    (["--config.ema_decay=1.5"], ["'ema_decay' must be in (0, 1)"]),
     (["--config.freeze=^nothing_like_this"], ["matches no parameter path", "Dense_0/kernel"]),
     (["--config.optimizer=adam", "--config.optimizer_args={'momentum': 0.9}"],
      ["'optimizer_args' has ['momentum']", "optax.adam takes"]),
     (["--config.init_from=/nonexistent/run"], ["config.init_from='/nonexistent/run'"]),
-    (["--config.weight_decay_mask=kernel"], ["'weight_decay' is 0: nothing is decayed"]),
     (["--config.lr_mults=(('^nothing', 0.1),)"], ["('^nothing', 0.1) takes no parameter",
                                                   "Dense_0/kernel"]),
-    (["--config.lr_batch_scaling=cube", "--config.lr_base_batch_size=32"],
-     ["'lr_batch_scaling'='cube' is not one of"]),
-
 ]  # fmt: skip
+# Refused by `config.validate`, before a workdir or JAX is touched: checked in-process.
+INVALID = [
+    ({"lr_schedule": "cosin"}, "'lr_schedule'='cosin' is not one of"),
+    ({"warmup_steps": 999}, "'warmup_steps'=999 is more than 'num_train_steps'"),
+    ({"ema_decay": 1.5}, "'ema_decay' must be in (0, 1)"),
+    ({"weight_decay_mask": "kernel"}, "'weight_decay' is 0: nothing is decayed"),
+    ({"lr_batch_scaling": "cube", "lr_base_batch_size": 32}, "'lr_batch_scaling'='cube' is not"),
+]
 
 
 @pytest.mark.parametrize("flags, expected", BAD, ids=[f[0] for f, _ in BAD])
@@ -255,6 +259,23 @@ def test_bad_optimizer_keys_are_one_line_and_write_nothing(
     done = train_cli(workdir, digits_data_dir, *flags)
     assert_one_line_error(done, *expected)
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides, expected", INVALID, ids=[str(o) for o, _ in INVALID])
+def test_bad_optimizer_keys_are_refused_by_validation(overrides, expected):
+    import importlib.util
+
+    from replicator.errors import ConfigError
+    from replicator.trainer import config as config_lib
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "digits_cnn.py")
+    spec = importlib.util.spec_from_file_location("digits_cnn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("smoke")
+    config.update(overrides)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        config_lib.validate(config)
 
 
 @pytest.mark.slow  # make test-slow: the fast suite holds its invariant elsewhere

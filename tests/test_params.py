@@ -103,7 +103,8 @@ def test_a_regex_written_for_the_state_paths_says_which_paths_the_key_sees(key):
 
 def test_a_scanned_lm_decays_what_the_unrolled_one_does():
     # nn.scan stacks a block's LayerNorm scales and biases on a leading "layers" axis:
-    # the default mask counts dimensions per layer, so they stay vectors, undecayed.
+    # the default mask counts dimensions per layer, so they stay vectors, undecayed. The
+    # q/k/v bias is split by heads ([3, heads, head_dim] a layer): a bias, never decayed.
     import re
 
     import jax
@@ -116,15 +117,18 @@ def test_a_scanned_lm_decays_what_the_unrolled_one_does():
     spec = OptimizerSpec(name="adamw", weight_decay=0.1)
     shape = dict(vocab_size=32, num_layers=3, num_heads=2, embed_dim=16, mlp_dim=32, max_len=8)
     tokens = jnp.zeros((1, 8), jnp.int32)
-    decayed, lines = [], []
+    decayed, lines, paths = [], [], set()
     for scan in (True, False):
         model = Transformer(**shape, scan_layers=scan)
         params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
         rows = parameter_rows(params, spec)
         decayed.append({re.sub(r"^block_\d+/", "blocks/", r.path) for r in rows if r.decayed})
+        paths |= {re.sub(r"^block_\d+/", "blocks/", r.path) for r in rows}
         lines.append(describe(spec, params).split(": ", 1)[1])  # (the array counts differ)
     assert decayed[0] == decayed[1]
     assert lines[0] == lines[1]  # the log's count of decayed parameters too
     assert {"blocks/mlp/fc/kernel", "blocks/attention/out_kernel"} <= decayed[0]
-    for vector in ("ln_attention/scale", "ln_mlp/bias", "mlp/fc/bias", "attention/out_bias"):
-        assert f"blocks/{vector}" not in decayed[0]
+    biases = ("ln_attention/scale", "ln_mlp/bias", "mlp/fc/bias", "attention/out_bias",
+              "attention/qkv_bias")  # fmt: skip
+    for bias in biases:
+        assert f"blocks/{bias}" in paths and f"blocks/{bias}" not in decayed[0]

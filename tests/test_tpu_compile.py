@@ -21,6 +21,7 @@ import pytest
 
 from replicator.compiled import topology as topology
 from replicator.errors import TopologyError
+from replicator.runtime import worker_env
 from replicator.trainer import aot
 
 needs_libtpu = pytest.mark.skipif(
@@ -29,6 +30,7 @@ needs_libtpu = pytest.mark.skipif(
 )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def load_config(name, mode="smoke", **overrides):
@@ -159,7 +161,11 @@ def test_digits_compiles_for_v5e_16_from_the_command_line(digits_report):
     # What was not read, and which compiler: said on the console and in the report.
     assert "the dataset was not read" in report["shapes"] and report["shapes"] in lines
     assert set(report["versions"]) == {"jax", "jaxlib", "libtpu"}
-    assert f"compiled by jax {report['versions']['jax']}, jaxlib " in lines[-2]
+    said = lines[-2] if THIS_PYTHON == worker_env.DEFAULT_PYTHON else lines[-3]
+    assert said.startswith(f"compiled by jax {report['versions']['jax']}, jaxlib "), said
+    if THIS_PYTHON != worker_env.DEFAULT_PYTHON:  # the pods' compiler: how to compile with it
+        # (not in the pre-flight, which compiles with the workers' own: see its test)
+        assert f"add --python {worker_env.DEFAULT_PYTHON} to compile as they will" in lines[-2]
     # Progress while it compiles, on stderr: each step's lowering and compile, timed.
     assert "compiling the train step (v5e-16, libtpu): done in " in done.stderr
 
@@ -189,7 +195,7 @@ def test_the_reports_memory_is_the_compilers(digits_report, digits_data_dir):
 @needs_libtpu
 def test_an_unknown_accelerator_is_one_line(tmp_path):
     done = run_cli("compile", "--config", "configs/digits_cnn.py", "--topology", "v5e-17",
-                   "--workdir", str(tmp_path / "w"))  # fmt: skip
+                   "--workdir", str(tmp_path / "w"), "--python", THIS_PYTHON)  # fmt: skip
     assert done.returncode == 2
     (line,) = [line for line in done.stderr.splitlines() if line.strip()]
     assert line.startswith("error: unknown accelerator type 'v5e-17'; the known ones: ")
@@ -259,7 +265,17 @@ def preflight(tmp_path, *overrides):
     the storage service: any request would fail at once)."""
     train = ["train", "--config", "configs/digits_cnn.py", "--workdir", "gs://my-bucket/run",
              "--config.data_dir=gs://my-bucket/tfds", *overrides]  # fmt: skip
-    where = ["launch", "tpu", "--tpu", "my-pod", "--zone", "z", "--dry-run"]
+    where = [
+        "launch",
+        "tpu",
+        "--tpu",
+        "my-pod",
+        "--zone",
+        "z",
+        "--python",
+        THIS_PYTHON,
+        "--dry-run",
+    ]  # this Python compiles: no other environment made
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}  # fmt: skip
     return subprocess.run(
@@ -275,6 +291,7 @@ def test_the_preflight_needs_no_bucket_and_says_what_it_checked(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("# pre-flight: python -m replicator compile --config ")
     (said,) = [line for line in done.stdout.splitlines() if line.startswith("# pre-flight: fits")]
+    assert "to compile as they will" not in done.stdout  # it compiles as the workers run
     assert "shapes from the metadata of digits (tfds features); the dataset was not read" in said
     versions = aot.compiler_versions()
     assert said.endswith(f"compiled by jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
@@ -429,7 +446,30 @@ def test_the_workers_pin_the_compiler_that_compiled_here():
     pins = [line.strip() for line in script if "pins.txt" in line]
     assert pins == [f'printf "%s\\n" {" ".join(env.pins)} > "$env/pins.txt"',
                     'export UV_CONSTRAINT="$env/pins.txt"']  # fmt: skip
-    assert "pinned to this machine's compiler: jax " in worker_env.describe_environment(env)
+    said = worker_env.describe_environment(env)
+    assert "pinned to the compiler that checks it here: jax " in said
+
+
+@pytest.mark.slow  # uv installs the project's dependencies afresh (minutes with a cold cache)
+@needs_libtpu
+def test_a_compile_in_an_environment_made_by_uv_reports_its_compiler(tmp_path):
+    """`compile --python` and the pre-flight run the compile in an environment uv makes
+    (here of this Python, in a folder of the test's): the report's compiler is that
+    environment's, which is what the workers are pinned to."""
+    from replicator.runtime import compiler_env
+
+    env = compiler_env.environment(THIS_PYTHON)
+    made = compiler_env.make_environment(env, tmp_path / "env", ROOT)
+    interpreter = str(made / "bin" / "python")
+    assert (made / "installed").is_file() and interpreter != sys.executable
+    pins = compiler_env.pins(interpreter)
+    assert [p.split("==")[0] for p in pins] == ["jax", "jaxlib", "libtpu"]
+    workdir = tmp_path / "w"
+    args = ["compile", "--config", "configs/digits_cnn.py", "--topology", "v5e-4", "--steps",
+            "train", "--workdir", str(workdir)]  # fmt: skip
+    assert compiler_env.run(interpreter, args) == 0
+    report = json.loads((report_folder(workdir) / "report.json").read_text())
+    assert tuple(f"{k}=={v}" for k, v in report["versions"].items()) == pins
 
 
 def hf_llama_dir(root, **config):

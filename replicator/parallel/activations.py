@@ -124,7 +124,8 @@ def batch_axes(mesh, rows: int, exclude: str | None = None) -> tuple[str, ...]:
     Returns:
       The batch axes, in the rules' order.
 
-    >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"))
+    >>> auto = (jax.sharding.AxisType.Auto,) * 2  # (JAX 0.12's default is Explicit)
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "fsdp"), axis_types=auto)
     >>> batch_axes(mesh, 8), batch_axes(mesh, 6), batch_axes(mesh, 8, exclude="data")
     (('data', 'fsdp'), ('data',), ('fsdp',))
     """

@@ -199,10 +199,16 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
     if not (args.logs or args.stop):
         if not args.allow_local_workdir:
             _check_shared_paths(args, pod, command)
+        # The pre-flight compiles with the workers' JAX, which they then pin.
+        make = not (args.dry_run or args.no_preflight or command[:1] != ["train"])
+        if make:
+            tpu.check_gcloud()  # before the environment is made (minutes, once)
+        compiler = preflight.compiler_for(args.python, make=make)
         tpu.launch(
             command,
             pod,
             python=args.python,
+            pins=preflight.pins(compiler),
             wheels=args.wheels,
             keep_bundles=args.keep_bundles,
             restarts=args.restarts,
@@ -210,7 +216,7 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
             dry_run=args.dry_run,
             before_shipping=None if args.no_preflight else functools.partial(
                 preflight.check_fit, pod=pod, accelerator=args.accelerator_type,
-                dry_run=args.dry_run,
+                python=compiler, dry_run=args.dry_run,
             ),
         )  # fmt: skip
         if not args.dry_run:

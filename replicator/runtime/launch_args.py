@@ -42,8 +42,10 @@ what it does, each gcloud command printed first (--dry-run: printed only):
      run knows the workers from --accelerator-type or --slices). Pre-flight,
      for a train command: compiles its config here for the pod's accelerator
      type and slices (python -m replicator compile; libtpu, the tpu extra, no
-     TPU) and refuses a run that does not fit a chip's HBM, in one line; the
-     report stays in ~/.cache/replicator/preflight/NAME. The type is asked of
+     TPU) with the workers' Python and JAX (an environment made here once with
+     uv, ~/.cache/replicator/envs; the workers then pin its jax and libtpu) and
+     refuses a run that does not fit a chip's HBM, in one line; the report
+     stays in ~/.cache/replicator/preflight/NAME. The type is asked of
      gcloud, or given with --accelerator-type (a dry run compiles only with
      it); --no-preflight skips the check
   1. asks every worker whether it has the environment (Python and the
@@ -316,8 +318,9 @@ def _add_environment_options(parser: argparse.ArgumentParser) -> None:
         "--python",
         default=tpu.DEFAULT_PYTHON,
         metavar="X.Y|PATH",
-        help="the workers' Python: a version uv brings (default: this one's, %(default)s), or "
-        "the path of an interpreter installed on every worker",
+        help="the workers' Python: a version uv brings (default: %(default)s, for the newest "
+        "JAX and libtpu; the pre-flight compiles with the same, here), or the path of an "
+        "interpreter installed on every worker",
     )
     parser.add_argument(
         "--wheels",

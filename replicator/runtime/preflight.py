@@ -11,8 +11,10 @@ A subprocess, so the launcher imports no JAX and the run's config resolves as
 It needs the config and the topology only: the compile reads the example's shapes
 from the dataset's metadata (`replicator.trainer.data.metadata`), never the data, so
 a ``gs://`` data_dir is not opened and a laptop without the bucket's credentials
-checks the run all the same. What it compiled with (jax, jaxlib, libtpu) is what
-the workers install (`replicator.runtime.worker_env.compiler_pins`).
+checks the run all the same. It compiles with the workers' JAX: their Python's
+newest (`replicator.runtime.compiler_env`, an environment made here once), or this
+machine's where the workers' Python is this one's or a path on the workers; and the
+workers install what it compiled with (jax, jaxlib, libtpu: `pins`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from replicator.errors import LaunchError
+from replicator.runtime import compiler_env
 from replicator.runtime.tpu import Pod
 
 
@@ -101,6 +104,26 @@ def accelerator_type(pod: Pod) -> str:
     return name
 
 
+def compiler_for(python: str, *, make: bool = True) -> str | None:
+    """The interpreter that compiles the pre-flight for workers running ``python``: the
+    one of its environment here (`compiler_env.interpreter`: made if missing and
+    ``make``, else None), or this one where ``python`` is this one's version or an
+    interpreter's path on the workers (its version unknown here).
+
+    Raises:
+      LaunchError: the environment cannot be made.
+    """
+    if python.startswith("/"):
+        return sys.executable
+    return compiler_env.interpreter(python, make=make)
+
+
+def pins(compiler: str | None) -> tuple[str, ...] | None:
+    """What the workers pin: the jax, jaxlib and libtpu of the pre-flight's interpreter;
+    () with none (no pre-flight: the ``tpu`` extra's range decides)."""
+    return () if compiler is None else compiler_env.pins(compiler)
+
+
 def have_libtpu() -> bool:
     """Whether libtpu, the TPU compiler the pre-flight needs, is installed here."""
     return importlib.util.find_spec("libtpu") is not None
@@ -114,7 +137,12 @@ def workdir_for(pod: Pod) -> str:
 
 
 def check_fit(
-    command: Sequence[str], pod: Pod, accelerator: str | None = None, *, dry_run: bool = False
+    command: Sequence[str],
+    pod: Pod,
+    accelerator: str | None = None,
+    *,
+    python: str | None = sys.executable,
+    dry_run: bool = False,
 ) -> None:
     """Compiles a ``train`` command's config here for the pod (`compile_command`) and
     refuses a run that does not fit; other commands go ahead unchecked.
@@ -124,6 +152,8 @@ def check_fit(
       pod: the TPU VM or queued resource; its slices are compiled for.
       accelerator: its accelerator type; None asks gcloud (`accelerator_type`), except
         in a dry run, which then says how to compile here and goes on.
+      python: the interpreter that compiles (`compiler_for`); None in a dry run whose
+        environment is not made yet, which says so and goes on.
       dry_run: no gcloud.
 
     Raises:
@@ -141,16 +171,23 @@ def check_fit(
             )
             return
         accelerator = accelerator_type(pod)
-    if not have_libtpu():
+    if python is None:
+        print(
+            f"# pre-flight: compiling for {accelerator} with the workers' JAX makes its "
+            "environment here first (uv, once); launching does",
+            flush=True,
+        )
+        return
+    if python == sys.executable and not have_libtpu():
         raise LaunchError(
             f"the pre-flight compile for {accelerator} needs libtpu here, which is not "
             "installed: pip install -e '.[tpu]', or skip the check with --no-preflight"
         )
     workdir = workdir_for(pod)
     shutil.rmtree(workdir, ignore_errors=True)  # an earlier pre-flight's report says nothing now
-    compile_words = compile_command(command, accelerator, pod.slices, workdir)
+    compile_words = compile_command(command, accelerator, pod.slices, workdir, python)
     print(f"# pre-flight: {shlex.join(['python', *compile_words[1:]])}", flush=True)
-    code = subprocess.run(compile_words, check=False).returncode
+    code = compiler_env.run(python, compile_words[3:], asked=python)  # (the workers')
     reports = sorted(pathlib.Path(workdir).glob("compile*/report.json"))  # keyed by overrides
     fits = json.loads(reports[0].read_text())["fits"] if reports else None
     if code == 0:

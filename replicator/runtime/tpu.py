@@ -363,6 +363,7 @@ def launch(
     pod: Pod,
     *,
     python: str = DEFAULT_PYTHON,
+    pins: tuple[str, ...] | None = None,
     wheels: bool = False,
     keep_bundles: int = KEEP_BUNDLES,
     restarts: int = 0,
@@ -377,6 +378,8 @@ def launch(
       pod: the TPU VM or queued resource.
       python: the workers' Python: a version uv brings, or the absolute path of an
         interpreter installed on every worker.
+      pins: the jax, jaxlib and libtpu the workers install (the pre-flight's compiler:
+        `replicator.runtime.preflight.pins`); None pins this machine's.
       wheels: install the environment from wheels downloaded here (for the TPU
         VMs' platform) and shipped, not from PyPI.
       keep_bundles: the bundles each worker keeps (with their environments).
@@ -397,7 +400,7 @@ def launch(
     if not dry_run:
         check_gcloud()
     command = job_command(command, pod.slices)
-    env = worker_env.plan_environment(project_root(), python, wheels)
+    env = worker_env.plan_environment(project_root(), python, wheels, pins)
     if before_shipping is not None:
         before_shipping(command)
     bundle = plan_bundle(command)

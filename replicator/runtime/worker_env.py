@@ -6,17 +6,18 @@ extra (``uv pip install -r pyproject.toml --extra tpu``), not the project: the j
 imports the bundle's code through ``PYTHONPATH``. NAME ends in the hash of the
 dependency spec (`Environment.digest`: the requirements and the Python), so a code
 edit makes a new bundle and reuses the environment; only a change of the
-dependencies, or of ``--python``, installs anew. Where libtpu is installed here, the
-environment pins this machine's jax, jaxlib and libtpu (`compiler_pins`): the pods run
-the compiler that compiled ``launch tpu``'s pre-flight, and a new compiler here is a new
-environment there. A bundle records the environment
+dependencies, or of ``--python``, installs anew. The environment pins the jax, jaxlib
+and libtpu of ``launch tpu``'s pre-flight compile (`replicator.runtime.compiler_env`:
+the workers' Python's, made here; `compiler_pins`: this machine's): the pods run the
+compiler that checked their program, and a new compiler here is a new environment
+there. A bundle records the environment
 it ran with, and `prune_script` keeps the newest few bundles and the environments
 they use.
 
 What installing takes, three ways:
 
-* by default, the internet: uv (from PyPI), a managed CPython of this machine's
-  version (uv's download, from github.com) and the packages (PyPI);
+* by default, the internet: uv (from PyPI), a managed CPython (`DEFAULT_PYTHON`,
+  uv's download, from github.com) and the packages (PyPI);
 * ``--python PATH``: an interpreter installed on every worker, instead of a
   managed CPython;
 * ``--wheels``: the packages as wheels downloaded here for the TPU VMs' platform
@@ -53,9 +54,11 @@ from replicator.runtime.bundle import BUNDLES, Bundle
 ENVS = "$HOME/.replicator/envs"
 WHEELS = "$HOME/.replicator/wheels"
 EXTRA = "tpu"  # the project's extra for a TPU VM (jax[tpu], libtpu)
-# The workers' Python by default: the version of the one running the launcher, where
-# the project was tried (the TPU VM images ship 3.10; the project needs 3.11 or newer).
-DEFAULT_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+# The workers' Python by default: 3.12, for the newest JAX (0.11 and newer need it; the
+# TPU VM images ship 3.10, the project needs 3.11 or newer). JAX 0.10.2, the last for 3.11,
+# brings libtpu 0.0.42.1, whose programs need 4-22% more HBM per chip; the pre-flight
+# compiles with the workers' JAX (`replicator.runtime.compiler_env`).
+DEFAULT_PYTHON = "3.12"
 MIN_PYTHON = (3, 11)
 # The TPU VMs' platform for `pip download`: x86-64 Linux with glibc 2.35 (Ubuntu 22.04),
 # which runs every older manylinux wheel (pip expands manylinux2014 itself).
@@ -144,10 +147,14 @@ def compiler_pins() -> tuple[str, ...]:
 
 
 def plan_environment(
-    root: str | os.PathLike, python: str = DEFAULT_PYTHON, wheels: bool = False
+    root: str | os.PathLike,
+    python: str = DEFAULT_PYTHON,
+    wheels: bool = False,
+    pins: tuple[str, ...] | None = None,
 ) -> Environment:
     """The environment the project at ``root`` runs in on the workers: its
-    dependencies and ``tpu`` extra, with this machine's compiler pinned (`compiler_pins`).
+    dependencies and ``tpu`` extra, with the pre-flight's compiler pinned: ``pins``
+    (`replicator.runtime.compiler_env.pins`), by default this machine's (`compiler_pins`).
 
     Raises:
       LaunchError: ``python`` is neither a version ``X.Y`` nor an absolute path.
@@ -158,7 +165,7 @@ def plan_environment(
             "absolute path of an interpreter installed on every worker"
         )
     requirements = dependency_spec(pathlib.Path(root, "pyproject.toml"))
-    return Environment(python, requirements, wheels, compiler_pins())
+    return Environment(python, requirements, wheels, compiler_pins() if pins is None else pins)
 
 
 def describe_environment(env: Environment) -> str:
@@ -166,7 +173,7 @@ def describe_environment(env: Environment) -> str:
     python = f"the workers' {env.python}" if env.preinstalled else f"Python {env.python} (uv)"
     source = "wheels shipped from here" if env.wheels else "PyPI"
     pinned = ", ".join(p.replace("==", " ") for p in env.pins)
-    pinned = f" (pinned to this machine's compiler: {pinned})" if pinned else ""
+    pinned = f" (pinned to the compiler that checks it here: {pinned})" if pinned else ""
     return (
         f"environment {env.name}: {python}, the project's dependencies and its {EXTRA} extra"
         f"{pinned} from {source}; installed where it is missing, kept until they change"

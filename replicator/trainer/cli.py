@@ -121,6 +121,13 @@ _FIT_JOBS = flags.DEFINE_integer(
     None,
     "compile --fit: candidates compiled at a time (default: 1 or 2, by cores and free memory).",
 )
+_PYTHON = flags.DEFINE_string(
+    "python",
+    None,
+    "compile: compile with this Python's newest JAX and libtpu, the pods' (launch tpu's "
+    "workers run Python 3.12 by default): a version (3.12) or an interpreter's path; its "
+    "environment is made once with uv (replicator/runtime/compiler_env.py).",
+)
 _STEPS = flags.DEFINE_list(
     "steps", ["train", "eval", "decode"], "compile: the steps to compile (the train step always)."
 )
@@ -131,7 +138,18 @@ _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
     "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, _JSON, *_COMMON),
-    "compile": (_CONFIG, _TOPOLOGY, _SLICES, _WORKDIR, _STEPS, _FIT, _FIT_JOBS, _VERBOSE, _DEBUG),
+    "compile": (
+        _CONFIG,
+        _TOPOLOGY,
+        _SLICES,
+        _WORKDIR,
+        _STEPS,
+        _FIT,
+        _FIT_JOBS,
+        _PYTHON,
+        _VERBOSE,
+        _DEBUG,
+    ),
     "export": (_WORKDIR, _STEP, _FORMAT, _OUT, _VERBOSE, _DEBUG, _CPU_DEVICES),
     "sample": (_CONFIG, _WORKDIR, _STEP, *sample_command.FLAGS, _STRICT, *_COMMON),
     "params": (_CONFIG, _VERBOSE, _DEBUG, _CPU_DEVICES),
@@ -149,6 +167,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     if command is None or command in HELP:
         print(usage())
         sys.exit(0 if command else USAGE_ERROR)
+    if command == "compile":
+        _compile_with_another_python(argv)
     try:
         if command not in COMMANDS:
             close = difflib.get_close_matches(command, COMMANDS, n=1)
@@ -170,6 +190,31 @@ def run(argv: Sequence[str] | None = None) -> None:
         _exit_with(e, debug=_debug_requested(argv))
     sys.argv = argv  # ml_collections reads the config overrides from sys.argv
     app.run(main_or_exit, argv=argv, flags_parser=_parse_flags)
+
+
+def _compile_with_another_python(argv: list[str]) -> None:
+    """``compile --python X.Y``: the same command run by that Python's environment
+    (`replicator.runtime.compiler_env`), its exit status this one's; nothing where the
+    Python asked for is this one."""
+    words, python, i = [], None, 2
+    while i < len(argv):
+        if argv[i] in ("--python", "-python") and i + 1 < len(argv):
+            python, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(("--python=", "-python=")):
+            python = argv[i].split("=", 1)[1]
+        else:
+            words.append(argv[i])
+        i += 1
+    from replicator.runtime import compiler_env
+
+    if not python or compiler_env.is_here(python) or any(arg in HELP for arg in words):
+        return
+    try:
+        interpreter = compiler_env.interpreter(python)
+    except UserError as e:
+        _exit_with(e, debug=_debug_requested(argv))
+    sys.exit(compiler_env.run(interpreter, ["compile", *words], asked=python))
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -387,6 +432,15 @@ def _compile(console: Console) -> None:
     console.log_to(where, 0, " ".join(sys.argv[1:]), create=True)
     for line in aot.summary_lines(report):
         console.print(line)
+    from replicator.runtime import compiler_env, worker_env
+
+    asked = _PYTHON.value or os.environ.get(compiler_env.ASKED_PYTHON)  # a Python chosen
+    if compiler_env.THIS_PYTHON != worker_env.DEFAULT_PYTHON and not asked:
+        console.print(
+            f"(launch tpu's workers run Python {worker_env.DEFAULT_PYTHON} and its JAX, "
+            f"with a newer libtpu: add --python {worker_env.DEFAULT_PYTHON} to compile as "
+            "they will)"
+        )
     console.print(f"report: {storage.join(where, 'report.json')}")
     if not report.fits:
         sys.exit(USAGE_ERROR)

@@ -101,7 +101,7 @@ SCHEMA: dict[str, tuple[tuple, Any, str]] = {
     "weight_decay_mask": (
         (str, None),
         None,
-        "regex over parameter paths to decay (None: those with 2+ dimensions per layer)",
+        "regex over parameter paths to decay (None: weights of 2+ dimensions per layer, no bias)",
     ),
     "grad_clip_norm": (
         (float, None),

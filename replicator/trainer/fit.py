@@ -57,6 +57,7 @@ from typing import Any
 import ml_collections
 
 from replicator import storage
+from replicator.runtime import compiler_env
 from replicator.step import remat
 from replicator.trainer import compile_report
 from replicator.trainer.compile_report import GiB, bound_text, duration_text, size_text
@@ -489,8 +490,11 @@ def winner_lines(run: Search, winner: Outcome | None, outcomes: Sequence[Outcome
     lines.append(f"  overrides: {' '.join(words) if words else '(none: the config as given)'}")
     merged = {**run.overrides, **dict(winner.candidate.overrides)}
     slices = ["--slices", str(run.slices)] if run.slices > 1 else []
+    python = os.environ.get(
+        compiler_env.ASKED_PYTHON
+    )  # compile --python: the winner compiles with it too
     command = ["python", "-m", "replicator", "compile", "--config", run.config_file,
-               "--topology", run.accelerator, *slices,
+               "--topology", run.accelerator, *slices, *(["--python", python] if python else []),
                *(f"--config.{k}={v}" for k, v in merged.items())]  # fmt: skip
     lines.append(f"  compile it: {shlex.join(command)}")
     evals = [o.eval_memory_bytes for o in outcomes if o.eval_memory_bytes is not None]

@@ -10,8 +10,9 @@ What a researcher sets, each one optax piece, composed in one place
    (`OptimizerSpec.batch_factor`);
 2. decoupled weight decay (``weight_decay``), the alias's own where it has one
    (``adamw``, ``lion``, ``lamb``), else `decayed_weights`, scaled by the schedule
-   either way; by default not on parameters with fewer than 2 dimensions per
-   layer (`is_matrix`: a scanned block's stacked ``layers`` axis is not counted);
+   either way; by default on weights with 2 or more dimensions per layer, never
+   on a bias (`decays_by_default`: a scanned block's stacked ``layers`` axis is not
+   counted; a bias split by heads, ``qkv_bias``, is no weight);
 3. ``lr_mults``: `multiply_updates`, each parameter's update (decay included)
    times the factor of the first ``(regex, factor)`` pair that finds its path,
    which is its learning rate times that factor at every step of the schedule;
@@ -191,15 +192,18 @@ def path_names(params: PyTree) -> list[str]:
     return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def matching(regex: str | None, params: PyTree, default: Callable[[Any], bool]) -> PyTree:
+def matching(
+    regex: str | None, params: PyTree, default: Callable[[str, Any], bool] = lambda *_: False
+) -> PyTree:
     """A tree of bools over ``params``: where ``regex`` finds the path (``re.search``), or
-    ``default(leaf)`` where ``regex`` is None. A Flax box (``nn.LogicallyPartitioned``)
+    ``default(path, leaf)`` where ``regex`` is None. A Flax box (``nn.LogicallyPartitioned``)
     is one leaf for ``default``, which sees its axis names, and keeps its place in the
     tree, holding the bool."""
     pattern = None if regex is None else re.compile(regex)
 
     def pick(path, x):
-        chosen = default(x) if pattern is None else bool(pattern.search(path_name(path)))
+        name = path_name(path)
+        chosen = default(name, x) if pattern is None else bool(pattern.search(name))
         return x.replace_boxed(chosen) if is_box(x) else chosen
 
     return jax.tree_util.tree_map_with_path(pick, params, is_leaf=is_box)
@@ -216,6 +220,19 @@ def is_matrix(x: Any) -> bool:
     (True, False)
     """
     return len(layer_shape(x)) >= 2
+
+
+def decays_by_default(path: str, x: Any) -> bool:
+    """The default ``weight_decay_mask``: weights of 2 or more dimensions per layer
+    (`is_matrix`), not biases (a parameter whose own name has ``bias``: a bias split by
+    heads has 2 or 3 dimensions), as Hugging Face's Trainer and nanoGPT decay.
+
+    >>> decays_by_default("attention/qkv_kernel", jnp.zeros((8, 3, 2, 4)))
+    True
+    >>> decays_by_default("attention/qkv_bias", jnp.zeros((3, 2, 4)))
+    False
+    """
+    return is_matrix(x) and "bias" not in path.rsplit("/", 1)[-1]
 
 
 def decayed_weights(
@@ -287,7 +304,7 @@ def mark_frozen(state: PyTree, regex: str | None) -> PyTree:
     def mark(x):
         if not is_state(x):
             return x
-        frozen = jax.tree.leaves(matching(regex, x.params, lambda _: False))
+        frozen = jax.tree.leaves(matching(regex, x.params))
         return x.replace(frozen=tuple(frozen) if any(frozen) else None)
 
     return jax.tree.map(mark, state, is_leaf=is_state)
@@ -304,7 +321,7 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
     alias = getattr(optax, spec.name, None)
     if not callable(alias):
         raise ConfigError(f"config.optimizer={spec.name!r} is not an optax optimizer (e.g. 'adam')")
-    mask = lambda params: matching(spec.weight_decay_mask, params, is_matrix)
+    mask = lambda params: matching(spec.weight_decay_mask, params, decays_by_default)
     args = dict(spec.args)
     own_decay = {"weight_decay", "mask"} <= set(inspect.signature(alias).parameters)
     if own_decay:
@@ -323,7 +340,7 @@ def make_optimizer(spec: OptimizerSpec, peak: float | None = None) -> optax.Grad
     if spec.freeze is not None:
         labels = lambda params: jax.tree.map(
             lambda frozen: "frozen" if frozen else "trained",
-            matching(spec.freeze, params, lambda _: False),
+            matching(spec.freeze, params),
         )
         tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
     if spec.ema_decay is not None:
@@ -341,8 +358,8 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
     'parameters 16 (2 arrays): 12 trained, 4 frozen; adam, constant learning rate 0.001'
     """
     sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
-    frozen = jax.tree.leaves(matching(spec.freeze, params, lambda _: False))
-    decayed = jax.tree.leaves(matching(spec.weight_decay_mask, params, is_matrix))
+    frozen = jax.tree.leaves(matching(spec.freeze, params))
+    decayed = jax.tree.leaves(matching(spec.weight_decay_mask, params, decays_by_default))
     n_frozen = sum(s for s, f in zip(sizes, frozen) if f)
     n_decayed = sum(s for s, d, f in zip(sizes, decayed, frozen) if d and not f)
     line = f"parameters {sum(sizes):,} ({len(sizes)} arrays): {sum(sizes) - n_frozen:,} trained"

@@ -50,9 +50,9 @@ def parameter_rows(params: Any, spec: OptimizerSpec) -> list[Row]:
     [('Dense_0/bias', True), ('Dense_0/kernel', False)]
     """
     leaves = jax.tree.leaves(params)
-    frozen = jax.tree.leaves(optimizer.matching(spec.freeze, params, lambda _: False))
+    frozen = jax.tree.leaves(optimizer.matching(spec.freeze, params))
     decayed = jax.tree.leaves(
-        optimizer.matching(spec.weight_decay_mask, params, optimizer.is_matrix)
+        optimizer.matching(spec.weight_decay_mask, params, optimizer.decays_by_default)
     )
     pairs = tuple(spec.lr_mults)
     rows = []

@@ -1,0 +1,218 @@
+"""The pods' JAX on this machine: the compile that checks a pod's program runs the
+compiler the pod will run.
+
+JAX 0.11 and newer need Python 3.12, so a machine on Python 3.11 has JAX 0.10.2 and
+libtpu 0.0.42.1, whose TPU programs need 4-22% more HBM per chip than the current
+libtpu's (docs/benchmarks.md, "TPU programs"). ``launch tpu``'s workers run Python
+3.12 by default (`replicator.runtime.worker_env.DEFAULT_PYTHON`) with the newest JAX
+the project allows; its pre-flight compiles here with the same: in a uv virtualenv of
+that Python, ``$XDG_CACHE_HOME/replicator/envs/pyX.Y-HASH``, holding what a worker's
+holds (the project's dependencies and its ``tpu`` extra, `worker_env.dependency_spec`)
+and running this project's code through ``PYTHONPATH``. It is made once (a minute or
+two: uv, its CPython where this machine has none, the packages from PyPI) and kept
+until the dependencies change. ``python -m replicator compile --python 3.12`` compiles
+the same way by hand. Where the Python asked for is this one, nothing is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from replicator.errors import LaunchError
+from replicator.runtime.worker_env import Environment, dependency_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the project: pyproject.toml, replicator/
+THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+# The environment variable with the ``--python`` a compile was run for (`run`): what
+# `replicator.trainer.fit` adds to the winner's command, to compile it the same way.
+ASKED_PYTHON = "REPLICATOR_COMPILE_PYTHON"
+_VERSIONS = (  # what `pins` reads in the environment, as `worker_env.compiler_pins` does here
+    "import importlib.metadata as m, json\n"
+    "print(json.dumps({p: m.version(p) for p in ('jax', 'jaxlib', 'libtpu')}))"
+)
+
+
+def envs_dir() -> pathlib.Path:
+    """Where the environments are kept: ``$XDG_CACHE_HOME/replicator/envs`` (``~/.cache``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache, "replicator", "envs")
+
+
+def is_here(python: str) -> bool:
+    """Whether ``python`` (a version ``X.Y`` or an interpreter's path) is this interpreter's
+    version: then this interpreter compiles, with no environment made.
+
+    >>> is_here(THIS_PYTHON), is_here(sys.executable), is_here("2.7")
+    (True, True, False)
+    """
+    if python.startswith("/"):
+        return os.path.realpath(python) == os.path.realpath(sys.executable)
+    return python == THIS_PYTHON
+
+
+def environment(python: str, root: str | os.PathLike = ROOT) -> Environment:
+    """The environment of ``python`` for the project at ``root``: keyed, as a worker's,
+    by the Python and the dependency spec (`Environment.digest`)."""
+    return Environment(python, dependency_spec(pathlib.Path(root, "pyproject.toml")))
+
+
+def interpreter(python: str, root: str | os.PathLike = ROOT, *, make: bool = True) -> str | None:
+    """The interpreter that compiles for ``python``'s JAX: this one where ``python`` is
+    its version (`is_here`), else the one of its environment here, made first if
+    missing (`make_environment`).
+
+    Args:
+      python: a version uv brings or finds (``"3.12"``), or an interpreter's path.
+      root: the project (its pyproject.toml says what to install).
+      make: make a missing environment; False returns None for it (a dry run).
+
+    Raises:
+      LaunchError: the environment cannot be made (no uv, no such Python, no PyPI).
+    """
+    if is_here(python):
+        return sys.executable
+    env = environment(python, root)
+    path = envs_dir() / env.name
+    if (path / "installed").is_file():
+        return str(path / "bin" / "python")
+    return str(make_environment(env, path, root) / "bin" / "python") if make else None
+
+
+def make_environment(env: Environment, path: pathlib.Path, root: str | os.PathLike) -> pathlib.Path:
+    """``uv venv`` and ``uv pip install -r pyproject.toml --extra tpu`` at ``path``, under
+    a lock (two compiles started at once make it once); ``installed`` marks it complete.
+
+    Raises:
+      LaunchError: uv is missing or failed (its last line is in the message).
+    """
+    uv = uv_binary()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_name(path.name + ".lock")):
+        if (path / "installed").is_file():  # made meanwhile by another compile
+            return path
+        shutil.rmtree(path, ignore_errors=True)  # a half-made one from an interrupted install
+        print(
+            f"# making Python {env.python}'s environment for the compile (once, a minute or "
+            f"two): {path}",
+            flush=True,
+        )
+        python = str(path / "bin" / "python")
+        pyproject = str(pathlib.Path(root, "pyproject.toml"))
+        for words in (
+            [uv, "venv", "--quiet", "--python", env.python, str(path)],
+            [
+                uv,
+                "pip",
+                "install",
+                "--quiet",
+                "--python",
+                python,
+                "-r",
+                pyproject,
+                "--extra",
+                "tpu",
+            ],
+        ):
+            done = subprocess.run(words, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                shutil.rmtree(path, ignore_errors=True)
+                raise LaunchError(
+                    f"cannot make Python {env.python}'s environment for the compile (`uv "
+                    f"{words[1]}`: {uv_error(done.stderr)}); install Python {env.python} or "
+                    "let uv download one (from github.com), or give an interpreter's path "
+                    f"(--python /path/to/python{env.python}), or --python {THIS_PYTHON} to "
+                    "compile with this machine's JAX"
+                )
+        (path / "installed").write_text("")
+    return path
+
+
+def uv_error(stderr: str) -> str:
+    """uv's error in one line: its first, and the last cause under it.
+
+    >>> uv_error("error: Request failed\\n  cause: dns error\\n  cause: no such host\\n")
+    'Request failed: no such host'
+    """
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    first = next((line for line in lines if line.startswith("error:")), None)
+    if first is None:
+        return lines[-1] if lines else "no message"
+    causes = [line.removeprefix("cause:").strip() for line in lines if line.startswith("cause:")]
+    return first.removeprefix("error:").strip() + (f": {causes[-1]}" if causes else "")
+
+
+def uv_binary() -> str:
+    """uv: on ``PATH``, or the one the ``uv`` package installed beside this interpreter.
+
+    Raises:
+      LaunchError: neither.
+    """
+    found = shutil.which("uv") or shutil.which("uv", path=os.path.dirname(sys.executable))
+    if found is None:
+        raise LaunchError(
+            "compiling with another Python's JAX needs uv here: pip install uv (the tpu "
+            "extra has it), or give --python " + THIS_PYTHON
+        )
+    return found
+
+
+@contextlib.contextmanager
+def _locked(lock: pathlib.Path):
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pins(python: str) -> tuple[str, ...]:
+    """``jax==V``, ``jaxlib==V``, ``libtpu==V`` as installed for the interpreter ``python``
+    (`worker_env.compiler_pins` for this one); () where one is missing or no release."""
+    if python == sys.executable:
+        from replicator.runtime.worker_env import compiler_pins
+
+        return compiler_pins()
+    done = subprocess.run([python, "-c", _VERSIONS], capture_output=True, text=True)
+    if done.returncode != 0:
+        return ()
+    versions = json.loads(done.stdout)
+    if not all(v.replace(".", "").isdigit() for v in versions.values()):
+        return ()
+    return tuple(f"{package}=={version}" for package, version in versions.items())
+
+
+def run(
+    python: str, argv: Sequence[str], root: str | os.PathLike = ROOT, asked: str | None = None
+) -> int:
+    """``python -m replicator ARGV`` with this project's code (``PYTHONPATH``); its exit
+    status. Its output is this process's. ``asked``: the ``--python`` it stands for."""
+    env = child_environment()
+    if asked:
+        env[ASKED_PYTHON] = asked
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return subprocess.run([python, "-m", "replicator", *argv], env=env, check=False).returncode
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment less what its own libraries put there for this
+    interpreter: libtpu's ``TPU_LIBRARY_PATH`` (set on import; another environment's JAX
+    would load this one's libtpu: "no such field" in its backend config) and the library
+    folders under this interpreter's prefix in ``LD_LIBRARY_PATH`` (OpenCV's)."""
+    env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}
+    prefix = os.path.realpath(sys.prefix)
+    folders = env.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+    kept = [f for f in folders if f and not os.path.realpath(f).startswith(prefix + os.sep)]
+    if kept:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    else:
+        env.pop("LD_LIBRARY_PATH", None)
+    return env
