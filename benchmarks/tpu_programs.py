@@ -346,7 +346,7 @@ def render(result: dict) -> str:
         if table == "vs_maxtext_8b":
             lines += _lines_8b(rows, [row for row in result["maxtext"] if row.get("is_8b")])
             continue
-        lines += [f"{titles[table]} ({compiler_of(rows)})", "", HEADER]
+        lines += [f"{titles[table].rstrip(':')} ({compiler_of(rows)}):", "", HEADER]
         for row in rows:
             if "error" in row:
                 lines.append(f"| {row['name']} | {_slice(row)} | {row['error'][:120]} |")

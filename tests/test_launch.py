@@ -260,8 +260,15 @@ def test_the_preflight_compiles_with_the_workers_python(monkeypatch, capsys, own
     assert "pinned" not in out and not (tmp_path / "cache").exists()
     # Where the workers' Python is this one's, this interpreter compiles and is pinned.
     assert preflight.compiler_for(THIS_PYTHON, make=False) == sys.executable
-    assert preflight.pins(sys.executable) == worker_env.compiler_pins()
-    assert preflight.compiler_for("/opt/python3.12/bin/python3", make=False) == sys.executable
+    # An interpreter's path on the workers: compiled here, pinned to nothing (its version,
+    # and so what the tpu extra gives it, is unknown here).
+    workers = "/opt/python3.12/bin/python3"
+    assert preflight.compiler_for(workers, make=False) == sys.executable
+    assert preflight.pins(sys.executable, workers) == () and preflight.pins(None, "3.12") == ()
+    # A --python that is neither is refused before any environment is made.
+    with pytest.raises(tpu.LaunchError, match="give a version"):
+        preflight.compiler_for("3.12.1")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_environment_that_cannot_be_made_is_one_line(monkeypatch, tmp_path):
@@ -661,7 +668,8 @@ def test_wheels_and_a_preinstalled_python_need_no_internet(
     wait_for_job(home, "hello offline")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert downloads == [version]  # for the Python the workers have
-    env = worker_env.plan_environment(ROOT, sys.executable, wheels=True)
+    # (an interpreter's path: its version unknown here, so nothing of this machine pinned)
+    env = worker_env.plan_environment(ROOT, sys.executable, wheels=True, pins=())
     env_dir, wheels = (f"{home}/.replicator/{kind}/{env.name}" for kind in ("envs", "wheels"))
     calls = fake_cloud.read_text().splitlines()
     assert f"uv venv --quiet --python {sys.executable} {env_dir}" in calls

@@ -2,7 +2,7 @@
 compiler the pod will run.
 
 JAX 0.11 and newer need Python 3.12, so a machine on Python 3.11 has JAX 0.10.2 and
-libtpu 0.0.42.1, whose TPU programs need 4-22% more HBM per chip than the current
+libtpu 0.0.42.1, whose TPU programs need 8-35% more HBM per chip than the current
 libtpu's (docs/benchmarks.md, "TPU programs"). ``launch tpu``'s workers run Python
 3.12 by default (`replicator.runtime.worker_env.DEFAULT_PYTHON`) with the newest JAX
 the project allows; its pre-flight compiles here with the same: in a uv virtualenv of
@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -47,15 +48,32 @@ def envs_dir() -> pathlib.Path:
 
 
 def is_here(python: str) -> bool:
-    """Whether ``python`` (a version ``X.Y`` or an interpreter's path) is this interpreter's
-    version: then this interpreter compiles, with no environment made.
+    """Whether ``python`` (a version ``X.Y``, or an interpreter's path) is this Python:
+    its version, or the interpreter this one is (a virtualenv's is its base's). Then
+    this interpreter compiles, and no environment is made.
 
     >>> is_here(THIS_PYTHON), is_here(sys.executable), is_here("2.7")
     (True, True, False)
     """
-    if python.startswith("/"):
+    if os.sep in python:
         return os.path.realpath(python) == os.path.realpath(sys.executable)
     return python == THIS_PYTHON
+
+
+def check_python(python: str) -> str:
+    """``python`` as `interpreter` takes it: a version ``X.Y``, or an interpreter's path
+    (made absolute).
+
+    Raises:
+      LaunchError: neither.
+    """
+    if os.sep in python:
+        return os.path.abspath(python)
+    if not re.fullmatch(r"3\.\d+", python):
+        raise LaunchError(
+            f"--python {python}: give a version (e.g. 3.12) or the path of an interpreter"
+        )
+    return python
 
 
 def environment(python: str, root: str | os.PathLike = ROOT) -> Environment:
@@ -64,72 +82,79 @@ def environment(python: str, root: str | os.PathLike = ROOT) -> Environment:
     return Environment(python, dependency_spec(pathlib.Path(root, "pyproject.toml")))
 
 
-def interpreter(python: str, root: str | os.PathLike = ROOT, *, make: bool = True) -> str | None:
+def interpreter(
+    python: str, root: str | os.PathLike = ROOT, *, make: bool = True, advice: str = ""
+) -> str | None:
     """The interpreter that compiles for ``python``'s JAX: this one where ``python`` is
-    its version (`is_here`), else the one of its environment here, made first if
-    missing (`make_environment`).
+    this Python (`is_here`), else the one of its environment here, made first if
+    missing or broken (`make_environment`).
 
     Args:
       python: a version uv brings or finds (``"3.12"``), or an interpreter's path.
       root: the project (its pyproject.toml says what to install).
       make: make a missing environment; False returns None for it (a dry run).
+      advice: the caller's way out, ending the error of an environment not made (by
+        default ``--python`` with this Python's version).
 
     Raises:
-      LaunchError: the environment cannot be made (no uv, no such Python, no PyPI).
+      LaunchError: ``python`` is no version or path; the environment cannot be made
+        (no uv, no such Python, no PyPI).
     """
+    python = check_python(python)
     if is_here(python):
         return sys.executable
     env = environment(python, root)
     path = envs_dir() / env.name
-    if (path / "installed").is_file():
+    if _complete(path):
         return str(path / "bin" / "python")
-    return str(make_environment(env, path, root) / "bin" / "python") if make else None
+    if not make:
+        return None
+    advice = advice or f"--python {THIS_PYTHON} to compile with this machine's JAX"
+    return str(make_environment(env, path, root, advice) / "bin" / "python")
 
 
-def make_environment(env: Environment, path: pathlib.Path, root: str | os.PathLike) -> pathlib.Path:
+def _complete(path: pathlib.Path) -> bool:
+    """Made to the end, and its interpreter still there (uv's CPython may be removed)."""
+    return (path / "installed").is_file() and (path / "bin" / "python").exists()
+
+
+def make_environment(
+    env: Environment, path: pathlib.Path, root: str | os.PathLike, advice: str = ""
+) -> pathlib.Path:
     """``uv venv`` and ``uv pip install -r pyproject.toml --extra tpu`` at ``path``, under
     a lock (two compiles started at once make it once); ``installed`` marks it complete.
 
     Raises:
-      LaunchError: uv is missing or failed (its last line is in the message).
+      LaunchError: uv is missing or failed (its error is in the message, then the ways
+        out and ``advice``).
     """
     uv = uv_binary()
     path.parent.mkdir(parents=True, exist_ok=True)
+    what = f"the Python at {env.python}" if env.preinstalled else f"Python {env.python}"
     with _locked(path.with_name(path.name + ".lock")):
-        if (path / "installed").is_file():  # made meanwhile by another compile
+        if _complete(path):  # made meanwhile by another compile
             return path
         shutil.rmtree(path, ignore_errors=True)  # a half-made one from an interrupted install
-        print(
-            f"# making Python {env.python}'s environment for the compile (once, a minute or "
-            f"two): {path}",
-            flush=True,
-        )
-        python = str(path / "bin" / "python")
-        pyproject = str(pathlib.Path(root, "pyproject.toml"))
+        print(f"# making {what}'s environment for the compile (once, a minute or two): {path}",
+              flush=True)  # fmt: skip
+        python, pyproject = str(path / "bin" / "python"), str(pathlib.Path(root, "pyproject.toml"))
         for words in (
             [uv, "venv", "--quiet", "--python", env.python, str(path)],
-            [
-                uv,
-                "pip",
-                "install",
-                "--quiet",
-                "--python",
-                python,
-                "-r",
-                pyproject,
-                "--extra",
-                "tpu",
-            ],
-        ):
+            [uv, "pip", "install", "--quiet", "--python", python, "-r", pyproject,
+             "--extra", "tpu"],
+        ):  # fmt: skip
             done = subprocess.run(words, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 shutil.rmtree(path, ignore_errors=True)
+                ways = (
+                    f"install Python {env.python} or let uv download one (from github.com), "
+                    f"or give an interpreter's path (--python /path/to/python{env.python})"
+                    if not env.preinstalled
+                    else "check that interpreter"
+                )
                 raise LaunchError(
-                    f"cannot make Python {env.python}'s environment for the compile (`uv "
-                    f"{words[1]}`: {uv_error(done.stderr)}); install Python {env.python} or "
-                    "let uv download one (from github.com), or give an interpreter's path "
-                    f"(--python /path/to/python{env.python}), or --python {THIS_PYTHON} to "
-                    "compile with this machine's JAX"
+                    f"cannot make {what}'s environment for the compile (`uv {words[1]}`: "
+                    f"{uv_error(done.stderr)}); {ways}; or {advice}"
                 )
         (path / "installed").write_text("")
     return path

@@ -208,7 +208,7 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
             command,
             pod,
             python=args.python,
-            pins=preflight.pins(compiler),
+            pins=preflight.pins(compiler, args.python),
             wheels=args.wheels,
             keep_bundles=args.keep_bundles,
             restarts=args.restarts,
@@ -216,7 +216,7 @@ def _launch_tpu(args: argparse.Namespace, command: list[str]) -> int:
             dry_run=args.dry_run,
             before_shipping=None if args.no_preflight else functools.partial(
                 preflight.check_fit, pod=pod, accelerator=args.accelerator_type,
-                python=compiler, dry_run=args.dry_run,
+                python=compiler, asked=args.python, dry_run=args.dry_run,
             ),
         )  # fmt: skip
         if not args.dry_run:

@@ -111,17 +111,21 @@ def compiler_for(python: str, *, make: bool = True) -> str | None:
     interpreter's path on the workers (its version unknown here).
 
     Raises:
-      LaunchError: the environment cannot be made.
+      LaunchError: ``python`` is no version; the environment cannot be made.
     """
     if python.startswith("/"):
         return sys.executable
-    return compiler_env.interpreter(python, make=make)
+    advice = f"--python {compiler_env.THIS_PYTHON} (the workers too), or --no-preflight"
+    return compiler_env.interpreter(python, make=make, advice=advice)
 
 
-def pins(compiler: str | None) -> tuple[str, ...] | None:
-    """What the workers pin: the jax, jaxlib and libtpu of the pre-flight's interpreter;
-    () with none (no pre-flight: the ``tpu`` extra's range decides)."""
-    return () if compiler is None else compiler_env.pins(compiler)
+def pins(compiler: str | None, python: str) -> tuple[str, ...]:
+    """What workers running ``python`` pin: the jax, jaxlib and libtpu of the pre-flight's
+    interpreter; () with none made (no pre-flight), or for an interpreter's path on the
+    workers, whose version is unknown here (the ``tpu`` extra's versions decide)."""
+    if compiler is None or python.startswith("/"):
+        return ()
+    return compiler_env.pins(compiler)
 
 
 def have_libtpu() -> bool:
@@ -142,6 +146,7 @@ def check_fit(
     accelerator: str | None = None,
     *,
     python: str | None = sys.executable,
+    asked: str | None = None,
     dry_run: bool = False,
 ) -> None:
     """Compiles a ``train`` command's config here for the pod (`compile_command`) and
@@ -154,6 +159,7 @@ def check_fit(
         in a dry run, which then says how to compile here and goes on.
       python: the interpreter that compiles (`compiler_for`); None in a dry run whose
         environment is not made yet, which says so and goes on.
+      asked: the workers' ``--python`` it compiles for (said in the printed command).
       dry_run: no gcloud.
 
     Raises:
@@ -178,7 +184,8 @@ def check_fit(
             flush=True,
         )
         return
-    if python == sys.executable and not have_libtpu():
+    here = python == sys.executable
+    if not (have_libtpu() if here else compiler_env.pins(python)):
         raise LaunchError(
             f"the pre-flight compile for {accelerator} needs libtpu here, which is not "
             "installed: pip install -e '.[tpu]', or skip the check with --no-preflight"
@@ -186,8 +193,9 @@ def check_fit(
     workdir = workdir_for(pod)
     shutil.rmtree(workdir, ignore_errors=True)  # an earlier pre-flight's report says nothing now
     compile_words = compile_command(command, accelerator, pod.slices, workdir, python)
-    print(f"# pre-flight: {shlex.join(['python', *compile_words[1:]])}", flush=True)
-    code = compiler_env.run(python, compile_words[3:], asked=python)  # (the workers')
+    shown = ["python", *compile_words[1:], *([] if here else ["--python", asked or python])]
+    print(f"# pre-flight: {shlex.join(shown)}", flush=True)
+    code = compiler_env.run(python, compile_words[3:], asked=asked or python)
     reports = sorted(pathlib.Path(workdir).glob("compile*/report.json"))  # keyed by overrides
     fits = json.loads(reports[0].read_text())["fits"] if reports else None
     if code == 0:

@@ -56,7 +56,7 @@ WHEELS = "$HOME/.replicator/wheels"
 EXTRA = "tpu"  # the project's extra for a TPU VM (jax[tpu], libtpu)
 # The workers' Python by default: 3.12, for the newest JAX (0.11 and newer need it; the
 # TPU VM images ship 3.10, the project needs 3.11 or newer). JAX 0.10.2, the last for 3.11,
-# brings libtpu 0.0.42.1, whose programs need 4-22% more HBM per chip; the pre-flight
+# brings libtpu 0.0.42.1, whose programs need 8-35% more HBM per chip; the pre-flight
 # compiles with the workers' JAX (`replicator.runtime.compiler_env`).
 DEFAULT_PYTHON = "3.12"
 MIN_PYTHON = (3, 11)
@@ -130,7 +130,7 @@ def dependency_spec(pyproject: str | os.PathLike) -> tuple[str, ...]:
 def compiler_pins() -> tuple[str, ...]:
     """``jax==V``, ``jaxlib==V`` and ``libtpu==V`` as installed here, where libtpu is:
     the workers then run the compiler that compiled the pre-flight here (libtpu
-    versions differ by 15-28% in a program's HBM). () without libtpu here (no
+    versions differ by 8-35% in a program's HBM). () without libtpu here (no
     pre-flight to agree with: the ``tpu`` extra's range decides), and for a version
     that is no release (a local build PyPI does not have).
     """

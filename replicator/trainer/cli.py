@@ -435,7 +435,8 @@ def _compile(console: Console) -> None:
     from replicator.runtime import compiler_env, worker_env
 
     asked = _PYTHON.value or os.environ.get(compiler_env.ASKED_PYTHON)  # a Python chosen
-    if compiler_env.THIS_PYTHON != worker_env.DEFAULT_PYTHON and not asked:
+    older = sys.version_info[:2] < tuple(map(int, worker_env.DEFAULT_PYTHON.split(".")))
+    if older and not asked:
         console.print(
             f"(launch tpu's workers run Python {worker_env.DEFAULT_PYTHON} and its JAX, "
             f"with a newer libtpu: add --python {worker_env.DEFAULT_PYTHON} to compile as "
