@@ -276,8 +276,15 @@ def _dense_block(q, k, v, ids, causal):
     return jnp.einsum("bqkgs,bskd->bqkgd", jax.nn.softmax(scores, axis=-1), v)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "splash"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(  # each kernel and each mask in make test; the other two slow
+    "implementation, causal",
+    [
+        ("xla", True),
+        ("splash", False),
+        pytest.param("xla", False, marks=pytest.mark.slow),
+        pytest.param("splash", True, marks=pytest.mark.slow),
+    ],
+)
 def test_blocks_merged_by_their_log_sum_exps_equal_attention_to_all_keys(implementation, causal):
     # 128 queries against two blocks of 128 keys (the first wholly before them when
     # causal), 2 key heads of 2 queries each, documents that cross the blocks; each

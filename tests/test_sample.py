@@ -372,7 +372,10 @@ def _hf_greedy(hf_model, prompt, new):
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama_gqa_llama3_untied", "qwen2_bias"])
+@pytest.mark.parametrize(  # GPT-2's import equals HF's forward in tests/test_hf.py, fast
+    "family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama_gqa_llama3_untied",
+               "qwen2_bias"]
+)  # fmt: skip
 def test_greedy_samples_of_an_imported_checkpoint_are_hf_greedy(family, tmp_path):
     pytest.importorskip("torch")
     from tests import test_hf
