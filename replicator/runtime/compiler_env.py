@@ -28,23 +28,34 @@ import sys
 from collections.abc import Sequence
 
 from replicator.errors import LaunchError
-from replicator.runtime.worker_env import Environment, dependency_spec
+from replicator.runtime.worker_env import (
+    COMPILER,
+    Environment,
+    cache_dir,
+    compiler_pins,
+    dependency_spec,
+    release_pins,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the project: pyproject.toml, replicator/
 THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 # The environment variable with the ``--python`` a compile was run for (`run`): what
 # `replicator.trainer.fit` adds to the winner's command, to compile it the same way.
 ASKED_PYTHON = "REPLICATOR_COMPILE_PYTHON"
-_VERSIONS = (  # what `pins` reads in the environment, as `worker_env.compiler_pins` does here
-    "import importlib.metadata as m, json\n"
-    "print(json.dumps({p: m.version(p) for p in ('jax', 'jaxlib', 'libtpu')}))"
+_VERSIONS = (  # what `pins` reads in the environment (no replicator import: that is seconds)
+    "import importlib.metadata as m, json, sys\n"
+    "def version(p):\n"
+    "    try:\n"
+    "        return m.version(p)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        return None\n"
+    "print(json.dumps({p: version(p) for p in sys.argv[1:]}))"
 )
 
 
 def envs_dir() -> pathlib.Path:
     """Where the environments are kept: ``$XDG_CACHE_HOME/replicator/envs`` (``~/.cache``)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(cache, "replicator", "envs")
+    return cache_dir("envs")
 
 
 def is_here(python: str) -> bool:
@@ -203,16 +214,9 @@ def pins(python: str) -> tuple[str, ...]:
     """``jax==V``, ``jaxlib==V``, ``libtpu==V`` as installed for the interpreter ``python``
     (`worker_env.compiler_pins` for this one); () where one is missing or no release."""
     if python == sys.executable:
-        from replicator.runtime.worker_env import compiler_pins
-
         return compiler_pins()
-    done = subprocess.run([python, "-c", _VERSIONS], capture_output=True, text=True)
-    if done.returncode != 0:
-        return ()
-    versions = json.loads(done.stdout)
-    if not all(v.replace(".", "").isdigit() for v in versions.values()):
-        return ()
-    return tuple(f"{package}=={version}" for package, version in versions.items())
+    done = subprocess.run([python, "-c", _VERSIONS, *COMPILER], capture_output=True, text=True)
+    return release_pins(json.loads(done.stdout)) if done.returncode == 0 else ()
 
 
 def run(

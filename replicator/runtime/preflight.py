@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import shlex
 import shutil
@@ -30,7 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from replicator.errors import LaunchError
-from replicator.runtime import compiler_env
+from replicator.runtime import compiler_env, worker_env
 from replicator.runtime.tpu import Pod
 
 
@@ -136,8 +135,7 @@ def have_libtpu() -> bool:
 def workdir_for(pod: Pod) -> str:
     """Where the pre-flight compile for ``pod`` keeps its report and HLO:
     ``$XDG_CACHE_HOME/replicator/preflight/NAME`` (``~/.cache`` by default)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "replicator", "preflight", pod.name)
+    return str(worker_env.cache_dir("preflight", pod.name))
 
 
 def check_fit(

@@ -29,12 +29,12 @@ from replicator.errors import LaunchError
 from replicator.runtime import shared_paths
 from replicator.runtime.gcs_server import LocalGCS, have_emulator
 from replicator.runtime.tpu import workdir_of
+from replicator.runtime.worker_env import cache_dir
 
 
 def default_directory() -> str:
     """Where the rehearsals' objects are kept: ``$XDG_CACHE_HOME/replicator/gcs``."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "replicator", "gcs")
+    return str(cache_dir("gcs"))
 
 
 def buckets_of(command: Sequence[str]) -> list[str]:

@@ -54,6 +54,7 @@ from replicator.runtime.bundle import BUNDLES, Bundle
 ENVS = "$HOME/.replicator/envs"
 WHEELS = "$HOME/.replicator/wheels"
 EXTRA = "tpu"  # the project's extra for a TPU VM (jax[tpu], libtpu)
+COMPILER = ("jax", "jaxlib", "libtpu")  # what the workers pin (`compiler_pins`)
 # The workers' Python by default: 3.12, for the newest JAX (0.11 and newer need it; the
 # TPU VM images ship 3.10, the project needs 3.11 or newer). JAX 0.10.2, the last for 3.11,
 # brings libtpu 0.0.42.1, whose programs need 8-35% more HBM per chip; the pre-flight
@@ -134,13 +135,28 @@ def compiler_pins() -> tuple[str, ...]:
     pre-flight to agree with: the ``tpu`` extra's range decides), and for a version
     that is no release (a local build PyPI does not have).
     """
-    pins = []
-    for package in ("jax", "jaxlib", "libtpu"):
+    versions = {}
+    for package in COMPILER:
         try:
-            version = importlib.metadata.version(package)
+            versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
-            return ()
-        if not re.fullmatch(r"\d+(\.\d+)*", version):
+            versions[package] = None
+    return release_pins(versions)
+
+
+def release_pins(versions: dict[str, str | None]) -> tuple[str, ...]:
+    """``("jax==V", ...)`` for `COMPILER`'s ``versions``; () where one is missing (None)
+    or no release.
+
+    >>> release_pins({"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "libtpu": "0.0.52"})[2]
+    'libtpu==0.0.52'
+    >>> release_pins({"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "libtpu": None})
+    ()
+    """
+    pins = []
+    for package in COMPILER:
+        version = versions.get(package)
+        if version is None or not re.fullmatch(r"\d+(\.\d+)*", version):
             return ()
         pins.append(f"{package}=={version}")
     return tuple(pins)
@@ -437,10 +453,16 @@ def prune_script(keep: int = KEEP_BUNDLES) -> str:
 # ---------------------------------------------------------------- the wheels, here
 
 
+def cache_dir(*parts: str) -> pathlib.Path:
+    """``$XDG_CACHE_HOME/replicator/PARTS`` (``~/.cache`` by default): where the launcher
+    and the compile keep what they make on this machine (wheels, environments, reports)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache, "replicator", *parts)
+
+
 def wheel_cache(env: Environment, version: str) -> pathlib.Path:
     """Where the wheels for ``env`` on Python ``version`` are kept here, for reuse."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(cache, "replicator", "wheels", f"{env.digest}-py{version}")
+    return cache_dir("wheels", f"{env.digest}-py{version}")
 
 
 def download_command(env: Environment, version: str, dest: str | os.PathLike) -> list[str]:

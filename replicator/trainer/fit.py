@@ -57,7 +57,7 @@ from typing import Any
 import ml_collections
 
 from replicator import storage
-from replicator.runtime import compiler_env
+from replicator.runtime import compiler_env, worker_env
 from replicator.step import remat
 from replicator.trainer import compile_report
 from replicator.trainer.compile_report import GiB, bound_text, duration_text, size_text
@@ -162,8 +162,7 @@ class Search:
 
 def default_cache_dir() -> str:
     """``$XDG_CACHE_HOME/replicator/fit`` (``~/.cache/replicator/fit`` by default)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "replicator", "fit")
+    return str(worker_env.cache_dir("fit"))
 
 
 def default_jobs() -> int:
