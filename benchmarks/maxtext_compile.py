@@ -325,6 +325,10 @@ def compile_one(case: Case, out_dir: Path) -> Path:
         "device_kind": getattr(device, "device_kind", str(device)),
         "mesh": {axis: int(size) for axis, size in mesh.shape.items() if size > 1},
         "global_batch": int(config.global_batch_size_to_train_on),
+        "num_experts": int(config.num_experts),
+        "capacity_factor": float(config.capacity_factor),  # -1: dropless (MaxText's default)
+        "sparse_matmul": bool(config.sparse_matmul),
+        "megablox": bool(config.megablox),
         "seq_len": int(config.max_target_length),
         "parameters": num_params,
         "parameters_minus_lm_1b": num_params - LM_1B_PARAMETERS,

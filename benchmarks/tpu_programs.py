@@ -28,6 +28,11 @@ time at the chip's published peaks). The cases:
   peak)``, N the parameters that enter a matrix product (all but the input
   embedding table: `matmul_parameters`), T the tokens of a step, peak the chip's
   bf16 FLOP/s (459 T on a v5p).
+* ``vs_maxtext_moe``: ``configs/mixtral_8x7b.py`` and ``configs/qwen3_30b_a3b.py`` (dropless)
+  on a v5p-128 at MaxText's default shape (12 windows of 2,048 per chip, remat ``full``),
+  beside MaxText's ``mixtral-8x7b`` and ``qwen3-30b-a3b`` at their defaults (files named so
+  in ``benchmarks/results/maxtext/``): the share of the experts' FLOPs on padding, and the
+  MFU at roofline with N the parameters a token's matrix products use (its ``k`` experts').
 
 Writes benchmarks/results/tpu_programs.json and, through `render`, the "TPU
 programs" section of docs/benchmarks.md. About 25 minutes on the 2-core machine.
@@ -112,7 +117,10 @@ def cases() -> dict[str, list[dict]]:
             _case(f"replicator remat {remat}, {_windows(per_chip, accum)}", lm1b, topology,
                   batch_size=batch, remat_policy=remat, grad_accum_steps=str(accum))
         )  # fmt: skip
-    return {"shipped": shipped, "levers": levers, "vs_maxtext": ours, "vs_maxtext_8b": cases_8b()}
+    return {
+        "shipped": shipped, "levers": levers, "vs_maxtext": ours, "vs_maxtext_8b": cases_8b(),
+        "vs_maxtext_moe": cases_moe(),
+    }  # fmt: skip
 
 
 def _windows(per_chip: int, accum: int) -> str:
@@ -142,26 +150,48 @@ def cases_8b() -> list[dict]:
     ]  # fmt: skip
 
 
+def cases_moe() -> list[dict]:
+    """The MoE configs as shipped: MaxText's default shape for its mixtral-8x7b and
+    qwen3-30b-a3b (768 windows of 2,048 on 64 chips, remat ``full``), dropless."""
+    return [
+        _case("replicator mixtral_8x7b (as shipped, dropless)", "configs/mixtral_8x7b.py",
+              "v5p-128"),
+        _case("replicator qwen3_30b_a3b (as shipped, dropless)", "configs/qwen3_30b_a3b.py",
+              "v5p-128"),
+    ]  # fmt: skip
+
+
 def matmul_parameters(model: dict) -> int:
-    """The parameters that enter a matrix product in a decoder of ``model``'s keys (the
-    LM's, `experiments.lm`): attention's q, k, v and output, the MLP's (three matrices
-    with SwiGLU, two with GELU) and the output head (the embedding table again where
+    """The parameters that enter a token's matrix products in a decoder of ``model``'s
+    keys (the LM's, `experiments.lm`): attention's q, k, v and output, the MLP's (three
+    matrices with SwiGLU, two with GELU; with ``num_experts``, the ``experts_per_token``
+    experts' and the router) and the output head (the embedding table again where
     tied); not the input embedding (a lookup), norms or biases.
 
     >>> matmul_parameters(LLAMA3_8B)  # Llama 3 8B: 8.03B parameters, 0.53B input embedding
     7504658432
+    >>> matmul_parameters(MIXTRAL_8X7B)  # 46.7B parameters, 12.9B active
+    12748587008
     """
     width, heads = model["embed_dim"], model["num_heads"]
     head_dim = model.get("head_dim") or width // heads
     kv = model.get("num_kv_heads") or heads
     attention = 2 * width * heads * head_dim + 2 * width * kv * head_dim
     mlp = (3 if model.get("mlp_activation") == "swiglu" else 2) * width * model["mlp_dim"]
+    if model.get("num_experts"):
+        mlp = mlp * model.get("experts_per_token", 2) + width * model["num_experts"]
     return model["num_layers"] * (attention + mlp) + width * model["vocab_size"]
 
 
 # MaxText's llama3-8b (its configs/models/llama3-8b.yml): Llama 3 8B's shape.
 LLAMA3_8B = dict(vocab_size=128_256, num_layers=32, embed_dim=4096, num_heads=32,
                  num_kv_heads=8, head_dim=128, mlp_dim=14_336, mlp_activation="swiglu")  # fmt: skip
+# MaxText's mixtral-8x7b and qwen3-30b-a3b (configs/models/*.yml), every block MoE.
+MIXTRAL_8X7B = dict(LLAMA3_8B, vocab_size=32_000, num_experts=8, experts_per_token=2)
+QWEN3_30B_A3B = dict(vocab_size=151_936, num_layers=48, embed_dim=2048, num_heads=32,
+                     num_kv_heads=4, head_dim=128, mlp_dim=768, mlp_activation="swiglu",
+                     num_experts=128, experts_per_token=8)  # fmt: skip
+MOE_MODELS = {"mixtral-8x7b": MIXTRAL_8X7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def compile_case(case: dict, workdir: str, python: str | None = None) -> dict:
@@ -215,11 +245,17 @@ def maxtext_rows() -> list[dict]:
                 versions=result["versions"], command=result["command"],
                 parameters=result["parameters"], global_batch=result.get("global_batch"),
                 seq_len=result.get("seq_len"), is_8b=_is_8b(path, result),
+                moe=_moe_model(result), capacity_factor=result.get("capacity_factor", -1.0),
                 per_chip=(result.get("global_batch") or result["num_chips"]) // result["num_chips"],
                 accum=result.get("gradient_accumulation_steps", 1),
             )
         )  # fmt: skip
     return rows
+
+
+def _moe_model(result: dict) -> str | None:
+    """Which of `MOE_MODELS` a MaxText compile is, or None."""
+    return next((name for name in MOE_MODELS if name in str(result.get("name"))), None)
 
 
 def _is_8b(path: str, result: dict) -> bool:
@@ -238,7 +274,7 @@ def measure(only: set[str], python: str | None = None) -> dict:
                 print(f"== {table} {case['name']} on {case['topology']} x{case['slices']}",
                       flush=True)  # fmt: skip
                 row = compile_case(case, os.path.join(scratch, f"{table}_{i}"), python)
-                if table == "vs_maxtext_8b":
+                if table in ("vs_maxtext_8b", "vs_maxtext_moe"):
                     row["shape"] = config_shape(case)
                 print("   ", row.get("error") or _brief(row), flush=True)
                 result["cases"][table].append(row)
@@ -272,7 +308,20 @@ def config_shape(case: dict) -> dict:
         batch=int(given.get("batch_size", config.batch_size)), length=model["max_len"],
         remat=given.get("remat_policy", str(config.remat_policy)),
         microbatches=int(given.get("grad_accum_steps", config.grad_accum_steps)),
-        parameters=matmul_parameters(model),
+        parameters=matmul_parameters(model), padding=_padding(model),
+    )  # fmt: skip
+
+
+def _padding(model: dict) -> float | None:
+    """The share of the experts' FLOPs on empty slots (`rp.moe.padding_fraction`);
+    None for a dense model."""
+    from replicator.parallel import moe as moe
+
+    if not model.get("num_experts"):
+        return None
+    return moe.padding_fraction(
+        model["max_len"], model["num_experts"], model.get("experts_per_token", 2),
+        model.get("expert_capacity_factor", 1.25),
     )  # fmt: skip
 
 
@@ -341,10 +390,13 @@ def render(result: dict) -> str:
         "vs_maxtext": "lm_1b beside MaxText's own compile of the same model "
         "(1,011,888,128 parameters, gpt3 block, splash attention, 2,048-token windows):",
     }
-    lm_1b = [row for row in result["maxtext"] if not row.get("is_8b")]
+    lm_1b = [row for row in result["maxtext"] if not row.get("is_8b") and not row.get("moe")]
     for table, rows in result["cases"].items():
         if table == "vs_maxtext_8b":
             lines += _lines_8b(rows, [row for row in result["maxtext"] if row.get("is_8b")])
+            continue
+        if table == "vs_maxtext_moe":
+            lines += _lines_moe(rows, [row for row in result["maxtext"] if row.get("moe")])
             continue
         lines += [f"{titles[table].rstrip(':')} ({compiler_of(rows)}):", "", HEADER]
         for row in rows:
@@ -457,6 +509,72 @@ def _lines_8b(ours: list[dict], maxtext: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+HEADER_MOE = (
+    "| program | batch x context | remat | experts' FLOPs on padding | GB/chip | TFLOP/chip | "
+    "roofline ms (bound) | MFU at roofline | compile s |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _lines_moe(ours: list[dict], maxtext: list[dict]) -> list[str]:
+    """The MoE table: our dropless configs (``vs_maxtext_moe``) above MaxText's models."""
+    lines = [
+        "Mixture of experts on v5p-128: replicator vs MaxText's mixtral-8x7b and "
+        "qwen3-30b-a3b (MFU at roofline = 6 N T / (step x chips x 459 TFLOP/s), N the "
+        f"parameters a token's matrix products use: {matmul_parameters(MIXTRAL_8X7B):,} for "
+        f"Mixtral 8x7B, {matmul_parameters(QWEN3_30B_A3B):,} for Qwen3-30B-A3B; ours "
+        f"{compiler_of(ours)}):",
+        "", HEADER_MOE,
+    ]  # fmt: skip
+    for row in ours:
+        if "error" in row:
+            lines.append(f"| {row['name']} | {row['error'][:120]} |")
+            continue
+        shape, report = row["shape"], row["report"]
+        train, step = report["train_step"], report["roofline_step_s"]
+        mfu = mfu_at_roofline(shape["parameters"], shape["batch"] * shape["length"], step,
+                              report["chips"])  # fmt: skip
+        fits = "" if report["fits"] else " **no**"
+        lines.append(_row_moe(
+            row["name"], shape["batch"], shape["length"], shape["remat"], shape["padding"],
+            _gb(report["memory_per_chip_bytes"]) + fits, train["flops"], train["roofline"],
+            mfu, train["compile_s"],
+        ))  # fmt: skip
+    for row in maxtext:
+        chips = topology_chips(row["topology"]) * row["slices"]
+        tokens = row["global_batch"] * row["seq_len"]
+        model = MOE_MODELS[row["moe"]]
+        step = row["roofline"]["step_s"]
+        mfu = mfu_at_roofline(matmul_parameters(model), tokens, step, chips)
+        padding = 0.0 if row.get("capacity_factor", -1.0) <= 0 else None  # -1: dropless
+        lines.append(_row_moe(
+            f"MaxText {row['moe']} ({row['name']})", row["global_batch"], row["seq_len"],
+            row["remat"], padding, _gb(row["total_bytes"]), row["flops"], row["roofline"], mfu,
+            row["compile_s"] or 0,
+        ))  # fmt: skip
+    if maxtext:
+        lines += ["", MAXTEXT_MOE_NOTE.format(**_maxtext_versions(maxtext))]
+    return [*lines, ""]
+
+
+def _row_moe(label, batch, length, remat, padding, gb, flops, parts, mfu, compile_s) -> str:
+    share = "?" if padding is None else f"{padding:.0%}"
+    return (
+        f"| {label} | {batch} x {length} | {remat} | {share} | {gb} | {flops / 1e12:.1f} | "
+        f"{_ms(parts.get('step_s'))} ({parts.get('bound')}) | {mfu:.1%} | {compile_s:.0f} |"
+    )
+
+
+MAXTEXT_MOE_NOTE = (
+    "MaxText {maxtext} (jax {jax}, libtpu {libtpu}, Python {python}), its stock models "
+    "(`/work/maxtext-venv/bin/python benchmarks/maxtext_compile.py --model-name M --topology "
+    "v5p-128`) at their defaults: dropless (`capacity_factor=-1`), `sparse_matmul` with "
+    "megablox's grouped matmul, FSDP over every chip, no expert parallelism; both programs "
+    "counted from their optimized HLO by the same analysis (`replicator.compiled.hlo.analyze`; "
+    "a Pallas kernel with a cost estimate, as megablox's, counted by it); GB/chip is "
+    "arguments + outputs - aliased + temporaries + code, as ours."
+)
+
+
 MAXTEXT_8B_NOTE = (
     "MaxText {maxtext} (jax {jax}, libtpu {libtpu}, Python {python}), its llama3-8b "
     "(`model_name=llama3-8b`) compiled by `benchmarks/maxtext_compile.py` in its own virtual "
@@ -477,7 +595,9 @@ def topology_chips(name: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="", help="tables: shipped, levers, vs_maxtext, vs_maxtext_8b"
+        "--only",
+        default="",
+        help="tables: shipped, levers, vs_maxtext, vs_maxtext_8b, vs_maxtext_moe",
     )
     parser.add_argument("--docs-only", action="store_true")
     parser.add_argument(
@@ -495,7 +615,10 @@ def main() -> None:
         with open(RESULT, "w") as f:
             json.dump(result, f, indent=1)
     with open(RESULT) as f:
-        print(render(json.load(f)))
+        result = json.load(f)
+    if args.docs_only:  # MaxText's compiles as they are now, and ours as last measured
+        result["maxtext"] = maxtext_rows()
+    print(render(result))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,5 @@
 """The public API is curated: this test pins it."""
 
-import doctest
-import importlib
-import pathlib
-
-import jax.numpy as jnp
-import pytest
-
 import replicator as rp
 
 PUBLIC = [
@@ -61,23 +54,6 @@ def test_replicator_methods_of_the_contract():
         "sharding_report",
     ]:
         assert hasattr(rp.Replicator(), name), name
-
-
-def _modules() -> list[str]:
-    root = pathlib.Path(rp.__file__).parent
-    names = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        if parts[-1] != "__main__":
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
-
-
-@pytest.mark.parametrize("module", _modules())
-def test_docstring_examples_run(module):
-    """Every module's examples run (a module without any passes trivially)."""
-    result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": jnp, "rp": rp})
-    assert result.failed == 0
 
 
 def test_readme_quickstart_runs(capsys):

@@ -1,6 +1,5 @@
 """Checkpoints: exact resume after SIGKILL/SIGTERM, restore anywhere, faults are loud."""
 
-import doctest
 import errno
 import inspect
 import json
@@ -25,7 +24,7 @@ from replicator import storage, trainer
 from replicator.checkpoints import checkpoint as ckpt_lib
 from replicator.step.state import TrainState
 from replicator.trainer import config as config_lib
-from tests.test_train import read_records
+from tests.helpers.configs import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 fake devices keep the subprocesses quick; 300 steps take a few seconds.
@@ -631,11 +630,6 @@ def test_guide_orbax_recipe_runs_as_written(tmp_path, digits_data_dir):
         np.testing.assert_array_equal(got[key], value)
 
 
-def test_docstring_examples_run():
-    result = doctest.testmod(ckpt_lib, extraglobs={"rp": rp})
-    assert result.attempted and not result.failed
-
-
 def test_config_differences_are_listed():
     diffs = config_lib.config_differences(
         {"lr": 0.1, "model": {"w": 64}, "mesh": {"data": -1}},
@@ -645,9 +639,9 @@ def test_config_differences_are_listed():
 
 
 def test_sidecar_follow_evaluates_every_checkpoint(tmp_path, digits_data_dir):
-    from tests.test_train import load_config
+    from tests.helpers.configs import digits_config
 
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         num_train_steps=6,
         checkpoint_every_steps=2,
@@ -686,10 +680,10 @@ print(json.dumps({"step": step, "items": sorted(items.keys()), "on_disk": sorted
 def test_every_item_of_a_step_restores_with_orbax_alone(where, tmp_path, request, digits_data_dir):
     """A generic ``CheckpointManager(...).restore(step)`` in a process that never imports
     replicator reads every item the trainer saves (the guide's list of items)."""
-    from tests.test_train import load_config
+    from tests.helpers.configs import digits_config
 
     workdir = request.getfixturevalue("bucket") + "/run" if where == "bucket" else str(tmp_path)
-    config = load_config(data_dir=digits_data_dir, num_train_steps=2, checkpoint_every_steps=2)
+    config = digits_config(data_dir=digits_data_dir, num_train_steps=2, checkpoint_every_steps=2)
     config.update(eval_every_steps=2, keep_best_checkpoints=1, best_metric="accuracy")
     trainer.train_and_evaluate(config, workdir, quiet=True)
     done = subprocess.run(

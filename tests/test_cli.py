@@ -8,45 +8,13 @@ import pty
 import re
 import shutil
 import subprocess
-import sys
 import threading
 
 import pytest
 
 from replicator.trainer.config import describe_keys, experiment_keys
-from tests.test_train import read_records
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOKE = ["--config", "configs/digits_cnn.py:smoke"]
-
-
-def run_cli(*args, devices=2, env=None, stdout=subprocess.PIPE):
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "REPLICATOR_DEBUG"},
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "replicator", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=stdout,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-    )
-
-
-def lines(text):
-    return [line for line in text.splitlines() if line.strip()]
-
-
-def assert_one_line_error(done, *expected):
-    assert done.returncode == 2, done.stderr[-3000:]
-    (line,) = lines(done.stderr)  # nothing else: no traceback, no library noise
-    assert line.startswith("error: ")
-    for text in expected:
-        assert text in line, line
+from tests.helpers.cli import ROOT, SMOKE, assert_one_line_error, lines, run_cli
+from tests.helpers.configs import read_records
 
 
 @pytest.fixture(scope="module")
@@ -443,8 +411,8 @@ def test_eval_follow_prints_one_json_line_per_result(trained):
 
 def test_none_on_the_command_line_is_none_for_a_key_that_allows_it():
     from replicator.trainer import config as config_lib
-    from tests.test_train import load_config
+    from tests.helpers.configs import digits_config
 
-    assert config_lib.validate(load_config(precision="None")).precision is None
+    assert config_lib.validate(digits_config(precision="None")).precision is None
     with pytest.raises(config_lib.ConfigError, match="'batch_size' is None"):
-        config_lib.validate(load_config(batch_size=None))
+        config_lib.validate(digits_config(batch_size=None))

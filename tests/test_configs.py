@@ -24,30 +24,39 @@ from ml_collections import config_flags
 from replicator import trainer
 from replicator.trainer import config as config_lib
 from replicator.trainer import config_files, data
+from tests.helpers.configs import CONFIG_DIR, ROOT, load_config, read_records
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# Where the post-training configs start: examples/post_training/tiny_llama.py's model,
+# and the SFT run's export of it.
+POST_TRAINING = ("hf:runs/tiny-llama", "hf:runs/sft_tiny/hf")
 CONFIG_PATHS = sorted(CONFIG_DIR.glob("*.py"))
 # Configs whose two steps run with make test-slow: the same experiment as a config kept
 # fast (digits_cnn, cifar10_resnet, lm_tiny, digits_nnx_cnn), or with tests of its own
-# (llama_tiny: tests/test_llama.py).
+# (llama_tiny: tests/test_llama.py; the post-training ones: tests/test_post_training.py
+# runs SFT and DPO with LoRA by their documented commands, tests/test_lora.py LoRA steps).
 SLOW_CONFIGS = {
     "gan_digits", "cifar10_cnn", "fashion_mnist_cnn", "mnist_cnn", "digits_cnn_diloco",
     "lm_tiny_diloco", "lm_8b", "llama3_8b", "digits_vit", "lm_1b", "lm_gpt2_124m",
-    "cifar10_resnet", "llama_tiny",
+    "cifar10_resnet", "llama_tiny", "mixtral_8x7b", "qwen3_30b_a3b",
+    "sft_llama_tiny", "dpo_llama_tiny", "lora_llama3_8b",  # tests/test_post_training.py
 }  # fmt: skip
 NUM_MOCK_EXAMPLES = 24  # Not a multiple of the smoke batches: eval pads and masks.
 DOWNLOADED = ("mnist", "fashion_mnist", "cifar10")  # the rest are built offline, here
 
 
-def load_config(path: pathlib.Path, mode: str = "") -> ml_collections.ConfigDict:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(mode)
+def from_a_tiny_llama(config, tmp_path) -> ml_collections.ConfigDict:
+    """A post-training config (docs/pretrained.md's path) with the tiny Llama it starts
+    from written into ``tmp_path``, its data by absolute path (the test's cwd is any)."""
+    from tests.helpers import tiny_hf
 
-
-def read_records(workdir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    model, start = tiny_hf.write_tiny_llama(str(tmp_path / "tiny-llama")), config.init_from[3:]
+    with config.unlocked():
+        config.init_from = f"hf:{model}"
+        config.tokenizer = f"{model}/tokenizer.json"
+        config.dataset = config.dataset.replace(f"tokenizer={start}", f"tokenizer={model}")
+        config.dataset = config.dataset.replace("files=examples/", f"files={ROOT}/examples/")
+        config.data_dir = str(tmp_path / "tfds")
+    return config
 
 
 def test_configs_exist():
@@ -91,7 +100,10 @@ def test_config_trains_two_steps(path, tmp_path, digits_data_dir):
     config = load_config(path, "smoke")
     config.num_train_steps = 2
     workdir = tmp_path / "run"
-    if config.dataset not in DOWNLOADED:
+    if config.init_from in POST_TRAINING:  # the post-training configs: a tiny Llama's
+        config = from_a_tiny_llama(config, tmp_path)
+        result = trainer.train_and_evaluate(config, str(workdir), quiet=True)
+    elif config.dataset not in DOWNLOADED:
         config.data_dir = digits_data_dir  # built offline, into the session's data_dir
         result = trainer.train_and_evaluate(config, str(workdir), quiet=True)
     else:
@@ -113,7 +125,7 @@ def test_config_trains_two_steps(path, tmp_path, digits_data_dir):
 
 @pytest.mark.parametrize(
     "path",
-    [p for p in CONFIG_PATHS if load_config(p).dataset in DOWNLOADED],
+    [p for p in CONFIG_PATHS if load_config(p, "").dataset in DOWNLOADED],
     ids=lambda path: path.stem,
 )
 def test_config_of_a_dataset_that_is_not_prepared_fails_fast(path, tmp_path):
@@ -187,6 +199,7 @@ def test_every_key_can_be_overridden_from_the_command_line(path, monkeypatch):
     overrides = dict(OVERRIDES)
     if path.stem in LM_CONFIGS:  # another experiment would not know the LM's keys
         overrides.update(experiment="experiments.lm", model="{'num_layers': 3}")
+        overrides["objective"] = "lm"  # (a preference objective wants preference data)
     argv = [f"--config.{key}={value}" for key, value in overrides.items()]
     saved = json.loads(config_lib.to_json(config_lib.validate(parse(path, argv, monkeypatch))))
     for key, value in overrides.items():
@@ -216,7 +229,7 @@ def parse(path: pathlib.Path, argv: list[str], monkeypatch) -> ml_collections.Co
     return values.config
 
 
-LM_CONFIGS = [p.stem for p in CONFIG_PATHS if load_config(p).experiment == "experiments.lm"]
+LM_CONFIGS = [p.stem for p in CONFIG_PATHS if load_config(p, "").experiment == "experiments.lm"]
 # A command-line value for each of the LM's own keys (`experiments.lm.config`), the model's
 # included, and its mesh axes.
 LM_OVERRIDES = {
@@ -233,6 +246,15 @@ LM_OVERRIDES = {
     "model.head_dim": "24", "model.rope_theta": "1234.5", "model.qkv_bias": "True",
     "model.rope_scaling": "{'factor': 2.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
     "'original_max_position_embeddings': 48}",
+    "objective": "ipo", "dpo_beta": "0.25", "dpo_label_smoothing": "0.125",
+    "simpo_gamma": "0.75", "model.lora_rank": "4", "model.lora_alpha": "8.5",
+    "model.lora_dropout": "0.25", "model.lora_targets": "attention/q_kernel",
+    "model.lora_quantize": "int8", "model.qk_norm": "True", "model.moe_balance_weight": "0.25",
+    "model.moe_z_loss_weight": "0.125", "model.moe_balance_pooled": "True",
+    "model.embed_scale": "True", "model.post_norms": "True", "model.attn_logit_softcap": "50.5",
+    "model.final_logit_softcap": "30.5", "model.query_pre_attn_scalar": "144.5",
+    "model.sliding_window": "40", "model.sliding_window_pattern": "6",
+    "model.rope_local_theta": "10001.5",
     "mesh.stage": "3", "mesh.context": "5", "mesh.expert": "7",
 }  # fmt: skip
 
@@ -378,7 +400,7 @@ def test_a_config_reaches_what_its_docstring_says(name, regex, metric, tolerance
     path = CONFIG_DIR / f"{name}.py"
     found = re.search(regex, ast.get_docstring(ast.parse(path.read_text())))
     assert found, f"{path.name}'s docstring no longer says {regex!r}"
-    config = load_config(path)
+    config = load_config(path, "")
     expected = float(found.group(1)) / (100 if metric == "accuracy" else 1)
     steps = int(found.group(2) or config.num_train_steps)
     config.update(num_train_steps=steps, eval_every_steps=steps, checkpoint_every_steps=steps,
@@ -395,7 +417,7 @@ def test_a_config_reaches_what_its_docstring_says(name, regex, metric, tolerance
 
 @pytest.mark.slow  # the GAN's experiment has fast tests of its own
 def test_gan_digits_logs_two_finite_losses(tmp_path, digits_data_dir):
-    config = load_config(CONFIG_DIR / "gan_digits.py")
+    config = load_config(CONFIG_DIR / "gan_digits.py", "")
     config.update(num_train_steps=20, log_every_steps=5, eval_every_steps=20,
                   checkpoint_every_steps=20, data_dir=digits_data_dir)  # fmt: skip
     trainer.train_and_evaluate(config, str(tmp_path), quiet=True)

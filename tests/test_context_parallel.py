@@ -8,7 +8,6 @@ blocks (XLA's, or splash's in Pallas's interpreter). The ring's program passes
 blocks (``collective-permute``) and never gathers them; the gather's gathers them.
 """
 
-import doctest
 import functools
 import importlib.util
 
@@ -441,10 +440,6 @@ def test_attention_that_cannot_split_is_one_line(kwargs, shape, message):
     assert "\n" not in str(error.value)
     length_mistake = "tokens does not split" in message
     assert isinstance(error.value, ConfigError) == length_mistake  # a config's, exit 2
-
-
-def test_docstring_examples_run():
-    assert doctest.testmod(cpl, extraglobs={"np": np}).failed == 0
 
 
 # ------------------------------------------------------------ a per-replica step's sequences

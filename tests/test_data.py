@@ -1,6 +1,5 @@
 """Tests of the input pipeline: the offline digits dataset, process sharding, pad+mask."""
 
-import doctest
 import io
 import time
 
@@ -533,15 +532,3 @@ def test_mock_data_stands_in_for_download_based_datasets(tmp_path):
 
 
 # Doctests of the public functions.
-
-
-@pytest.mark.parametrize(
-    "module",
-    [data.records, data.cache, data.iterators, data.sources, digits],
-    ids=lambda m: m.__name__,
-)
-def test_docstring_examples_run(module, data_dir):
-    result = doctest.testmod(
-        module, extraglobs={"data_dir": data_dir}, optionflags=doctest.ELLIPSIS
-    )
-    assert result.attempted > 0 and result.failed == 0

@@ -1,7 +1,6 @@
 """A tfds data_dir in a bucket (a real local GCS server, tests/gcs.py): prepared there,
 read back through each machine's local copy, equal to the same data on a local disk."""
 
-import doctest
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ from replicator import storage
 from replicator.trainer import data
 from replicator.trainer.data import remote, sources
 from tests import gcs
-from tests.test_train import read_records
+from tests.helpers.configs import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS_FILES = [
@@ -183,8 +182,3 @@ def test_train_reads_its_data_from_the_bucket(bucket, tmp_path):
     assert max(r["step"] for r in records if "loss" in r) == 5
     evals = [r for r in records if r.get("split") == "test"]
     assert evals and all(r["num_examples"] == 360 for r in evals)
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(remote, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

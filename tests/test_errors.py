@@ -1,7 +1,5 @@
 """The user's mistakes are types (`replicator.errors`), reachable by their old names."""
 
-import doctest
-
 import pytest
 
 import replicator as rp
@@ -57,7 +55,3 @@ def test_an_outage_is_a_storage_error_with_its_own_exit_status():
     assert issubclass(errors.StorageUnavailableError, storage.StorageError)
     assert storage.StorageUnavailableError is errors.StorageUnavailableError
     assert (cli.USAGE_ERROR, cli.STORAGE_UNAVAILABLE) == (2, 75)  # EX_TEMPFAIL: rerun later
-
-
-def test_docstring_examples_run():
-    assert doctest.testmod(errors).failed == 0

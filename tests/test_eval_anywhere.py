@@ -12,8 +12,8 @@ import pytest
 
 from replicator.parallel.mesh import MESH_AXES, refit_axis_sizes
 from replicator.trainer.setup import _eval_mesh
-from tests.test_cli import assert_one_line_error, lines, run_cli
-from tests.test_train import read_records
+from tests.helpers.cli import assert_one_line_error, lines, run_cli
+from tests.helpers.configs import read_records
 
 # ---- The refit, alone
 

@@ -15,7 +15,7 @@ from replicator.compiled import hlo as hlo
 from replicator.trainer import init_from
 from replicator.trainer.optimizer import OptimizerSpec, describe, make_optimizer, mark_frozen
 from replicator.trainer.setup import setup, train_params
-from tests.test_configs import CONFIG_DIR, load_config, read_records
+from tests.helpers.configs import CONFIG_DIR, load_config, read_records
 
 CLIP = 0.5
 FREEZE = "backbone"

@@ -22,13 +22,13 @@ import pytest
 import replicator as rp
 from replicator import storage
 from tests import gcs
+from tests.helpers.configs import read_records
 from tests.test_checkpoint import final_params, tensorboard_scalars
 from tests.test_multiprocess import TRAIN as MULTI_TRAIN
 from tests.test_multiprocess import (
     one_by_eight,  # noqa: F401  (a fixture)
     train_2x4,
 )
-from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "digits_cnn.py")

@@ -168,7 +168,7 @@ def test_the_model_keys_come_from_config_json_and_changes_are_named(tmp_path, ca
 
 
 def lm_config(spec, **kw):
-    from tests.test_configs import CONFIG_DIR, load_config
+    from tests.helpers.configs import CONFIG_DIR, load_config
 
     config = load_config(CONFIG_DIR / "lm_tiny.py", "smoke")
     config.init_from = spec
@@ -381,13 +381,3 @@ def _llama_config():
         "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 1, "num_attention_heads": 4,
     }  # fmt: skip
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    from experiments.lm import hf
-    from replicator.trainer import export, safetensors_files
-
-    for module in (pretrained, safetensors_files, export, hf):
-        assert doctest.testmod(module).failed == 0, module.__name__

@@ -13,8 +13,8 @@ from tensorboardX.proto import event_pb2
 import replicator as rp
 from replicator import trainer
 from replicator.trainer.plot import plot_metrics
+from tests.helpers.configs import digits_config, read_records
 from tests.test_replicator import init_params, make_batches, make_train_step
-from tests.test_train import load_config, read_records
 
 
 def read_events(directory):
@@ -34,7 +34,7 @@ def read_events(directory):
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory, digits_data_dir):
     workdir = str(tmp_path_factory.mktemp("run"))
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         num_train_steps=6,
         log_every_steps=2,
@@ -98,7 +98,7 @@ def test_train_step_compiles_once_across_a_run_with_evals(tmp_path, digits_data_
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(fun_name)
 
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         num_train_steps=8,
         log_every_steps=2,
@@ -120,7 +120,7 @@ def test_train_step_compiles_once_across_a_run_with_evals(tmp_path, digits_data_
 
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_the_summary_counts_device_time_as_compute(tmp_path, digits_data_dir, num_devices):
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         num_train_steps=12,
         log_every_steps=4,
@@ -146,7 +146,7 @@ def test_the_summary_counts_device_time_as_compute(tmp_path, digits_data_dir, nu
 def test_flops_per_step_count_the_whole_batch_under_accumulation(tmp_path, digits_data_dir):
     flops = {}
     for accum in (1, 4):
-        config = load_config(
+        config = digits_config(
             data_dir=digits_data_dir, num_train_steps=3, grad_accum_steps=accum, batch_size=64
         )
         trainer.train_and_evaluate(config, str(tmp_path / str(accum)), quiet=True)

@@ -1,7 +1,6 @@
 """`launch tpu` and `launch slurm` as their users see them: the exact commands, the
 bundle a pod receives, one-line errors, and the worker supervisor run for real."""
 
-import doctest
 import os
 import pathlib
 import shlex
@@ -55,15 +54,6 @@ def own_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "launcher_tmp"))
     (tmp_path / "launcher_tmp").mkdir()
     return tmp_path / "launcher_tmp"
-
-
-def test_the_doctests():
-    from replicator.runtime import rehearse, shared_paths, slurm
-
-    modules = (tpu, preflight, worker_env, bundles, shared_paths, rehearse, slurm, launch_args,
-               compiler_env)  # fmt: skip
-    for module in modules:
-        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 # ---------------------------------------------------------------- dry runs: the exact commands
@@ -255,8 +245,10 @@ def test_the_preflight_compiles_with_the_workers_python(monkeypatch, capsys, own
     python = [] if THIS_PYTHON != "3.12" else ["--python", "3.13"]  # another Python than this
     assert launch.main(["tpu", *where, *python, "--dry-run", "--", *TRAIN]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# pre-flight: compiling for v5e-16 with the workers' JAX makes its "
-                          "environment here first (uv, once); launching does\n"), out  # fmt: skip
+    said = ("# pre-flight: compiling for v5e-16 with the workers' JAX makes its environment "
+            "here first (uv, once); launching does, or `python -m replicator compile --config "
+            "C --topology v5e-16 --python ")  # fmt: skip
+    assert out.startswith(said), out
     assert "pinned" not in out and not (tmp_path / "cache").exists()
     # Where the workers' Python is this one's, this interpreter compiles and is pinned.
     assert preflight.compiler_for(THIS_PYTHON, make=False) == sys.executable
@@ -925,3 +917,24 @@ def test_launch_local_drops_the_libraries_start_up_notices(capsys):
     )
     local_processes._prefix_lines(io.StringIO(out), "[1] ")
     assert capsys.readouterr().out == "[1] step 3 loss 0.5\n"
+
+
+def test_python_x_y_is_found_past_a_pyenv_shim_that_does_not_run(tmp_path, monkeypatch):
+    """`compile --python 3.12` hands uv an interpreter that runs: a shim of an inactive
+    pyenv version first on PATH exits 127 (uv, stopping at it, would look for a download);
+    pyenv's own copy of that version is found instead."""
+    from replicator.runtime import compiler_env
+
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    shims, real = tmp_path / "shims", tmp_path / "pyenv" / "versions" / f"{version}.9" / "bin"
+    shims.mkdir()
+    real.mkdir(parents=True)
+    shim = shims / f"python{version}"
+    shim.write_text("#!/bin/sh\necho 'pyenv: python: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    (real / f"python{version}").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(shims))
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "pyenv"))
+    assert compiler_env.find_interpreter(version) == str(real / f"python{version}")
+    assert compiler_env.find_interpreter("3.1") == "3.1"  # none: uv finds or downloads it
+    assert compiler_env.find_interpreter("/opt/py/bin/python3") == "/opt/py/bin/python3"

@@ -6,7 +6,6 @@ logical axes; 8 replicas (on a 2-D mesh) train exactly like the global view,
 microbatches like the whole batch; padding adds nothing to eval sums.
 """
 
-import importlib.util
 import math
 import pathlib
 
@@ -26,6 +25,7 @@ from replicator.parallel import sharding as sharding
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
 from tests.compare import assert_trained_alike
+from tests.helpers.configs import config_module, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BLOCK = 128
@@ -294,7 +294,7 @@ def trained(mesh_2d, batches) -> dict:
 
 def test_run_on_a_2d_mesh_equals_compile_and_the_loss_falls(mesh_2d, batches, trained):
     experiment = trained["experiment"]
-    assert experiment.metric_names == ("loss", "perplexity")
+    assert experiment.metric_names == ("loss", "perplexity", "bits_per_byte")
     assert experiment.units == ("tokens", BLOCK)
     compiled = mesh_2d.compile(experiment.train_step)
     state, losses = _train(mesh_2d, compiled, mesh_2d.replicate(trained["initial"]), batches[:3])
@@ -380,13 +380,6 @@ def test_bf16_policy_computes_in_bf16_from_f32_parameters(batches):
 # -------------------------------------------------------------------- configs
 
 
-def load_config(name: str, mode: str = ""):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, module.get_config(mode)
-
-
 @pytest.mark.parametrize(
     "name, low, high",
     [
@@ -397,7 +390,7 @@ def load_config(name: str, mode: str = ""):
     ],
 )
 def test_configs_name_real_models_and_smoke_modes(name, low, high):
-    module, config = load_config(name)
+    module, config = config_module(name), load_config(name, "")
     assert f"python -m replicator train --config configs/{name}.py" in module.__doc__
     assert "Expected:" in module.__doc__
     model = config.model.to_dict()
@@ -405,7 +398,7 @@ def test_configs_name_real_models_and_smoke_modes(name, low, high):
     params = jax.eval_shape(Transformer(**model).init, jax.random.key(0), tokens)
     assert low < count_params(params) < high
     assert config.dataset.endswith(f"_{model['max_len']}")
-    _, smoke = load_config(name, "smoke")
+    smoke = load_config(name, "smoke")
     assert smoke.num_train_steps <= 10 and smoke.batch_size <= 64
     assert smoke.dataset == "python_stdlib/modules_128"
     make_experiment(settings(rp.Replicator(mesh=dict(smoke.mesh)), model=smoke.model.to_dict()))

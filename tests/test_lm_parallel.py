@@ -108,9 +108,9 @@ def test_a_length_that_does_not_balance_is_one_line(batches):
 
 def test_a_bad_context_strategy_is_one_config_error():
     from replicator.trainer.config import validate
-    from tests.test_lm import load_config
+    from tests.helpers.configs import load_config
 
-    _, config = load_config("lm_tiny", "smoke")
+    config = load_config("lm_tiny", "smoke")
     config.context_strategy = "spiral"
     with pytest.raises(ConfigError, match="context_strategy='spiral'") as error:
         validate(config)  # (the LM's key, checked by its Transformer: experiments.lm.config)
@@ -123,13 +123,14 @@ def test_context_on_the_run_path_says_when_it_saves_no_memory(tmp_path, caplog):
     mixture of experts keeps them whole, and training says so once, pointing to
     ``compile``, which says nothing."""
     from replicator.trainer.setup import setup
-    from tests.test_lm import build, load_config
+    from tests.helpers.configs import load_config
+    from tests.test_lm import build
 
     data_dir = str(tmp_path / "tfds")
     build("python_stdlib/modules_128", data_dir)
     said = {}
     for path, experts in (("run", 4), ("compile", 4), ("run", 0)):
-        _, config = load_config("lm_tiny", "smoke")
+        config = load_config("lm_tiny", "smoke")
         config.update(mesh={"context": 2, "data": 4}, step_path=path, data_dir=data_dir)
         config.model.num_experts = experts
         caplog.clear()
@@ -238,7 +239,7 @@ def test_moe_keys_that_cannot_work_are_one_line():
     for kwargs, message in [
         (dict(moe_every=3), "num_layers=4 must divide by it"),
         (dict(experts_per_token=9), r"experts_per_token=9 must be in \[1, num_experts=8\]"),
-        (dict(expert_routing="switch"), "expert_routing='switch' sends each token to one expert"),
+        (dict(expert_routing="top2"), "expert_routing='top2': use one of"),
     ]:
         with pytest.raises(ConfigError, match=message) as error:
             make_model({**MOE, **kwargs})

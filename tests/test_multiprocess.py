@@ -1,6 +1,5 @@
 """Multi-process runs on one machine: 2 processes x 4 devices behave like 1 x 8."""
 
-import doctest
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from replicator.parallel.mesh import build_mesh
 from replicator.runtime import launch
 from replicator.runtime.processes import ProcessGroup, detect_process_group
 from tests.compare import assert_trained_alike
-from tests.test_train import read_records
+from tests.helpers.configs import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [
@@ -344,7 +343,6 @@ def test_launch_restarts_a_failed_run(tmp_path):
 
 
 def test_resolve_command():
-    assert doctest.testmod(launch).failed == 0
     assert launch.resolve_command(["eval", "--step", "3"], "py") == [
         "py", "-m", "replicator", "eval", "--step", "3"
     ]  # fmt: skip

@@ -16,10 +16,10 @@ import pytest
 import replicator as rp
 from replicator.trainer.optimizer import OptimizerSpec, make_optimizer, make_schedule
 from tests.compare import assert_trained_alike
+from tests.helpers.cli import SMOKE, assert_one_line_error, run_cli
+from tests.helpers.configs import read_records
 from tests.test_checkpoint import finish, start_train, wait_for
-from tests.test_cli import SMOKE, assert_one_line_error, run_cli
 from tests.test_lm_program import _stacked
-from tests.test_train import read_records
 
 LR = 2e-3  # configs/digits_cnn.py's
 ROOT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "digits_cnn.py")
@@ -312,7 +312,7 @@ def test_a_bf16_gradient_sum_trains_like_a_float32_one(
     tmp_path, digits_data_dir, name, steps, metric, tolerance
 ):
     from replicator import trainer
-    from tests.test_configs import CONFIG_DIR, load_config
+    from tests.helpers.configs import CONFIG_DIR, load_config
 
     results = {}
     for dtype in (None, "bf16"):
@@ -373,7 +373,7 @@ def test_every_experiment_takes_the_optimizer_keys_on_both_paths(
 ):
     from replicator import trainer
     from replicator.trainer.setup import setup, train_params
-    from tests.test_configs import CONFIG_DIR, load_config
+    from tests.helpers.configs import CONFIG_DIR, load_config
 
     config = load_config(CONFIG_DIR / f"{name}.py", "smoke")
     config.update(EVERYTHING, step_path=step_path, mesh=mesh, freeze=freeze,

@@ -27,6 +27,7 @@ from replicator import storage
 from replicator.runtime.gcs_server import LocalGCS
 from replicator.trainer import cli
 from tests import gcs
+from tests.helpers.configs import read_records
 from tests.test_checkpoint import final_params, tensorboard_scalars
 from tests.test_gcs import (
     CONFIG,
@@ -35,7 +36,6 @@ from tests.test_gcs import (
     local_reference,  # noqa: F401  (a fixture)
     without_timing,
 )
-from tests.test_train import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = "outage"

@@ -2,7 +2,6 @@
 array_record files (``'array_record:PATTERN'``), a tfds builder of one's own with no
 flag, and code beside a config file outside the repository (examples/regression)."""
 
-import doctest
 import importlib.util
 import os
 import shutil
@@ -16,8 +15,8 @@ from replicator import storage, trainer
 from replicator.errors import ConfigError, DatasetError, UserError
 from replicator.trainer import data
 from replicator.trainer.data import array_records, remote, user_sources
-from tests.test_cli import assert_one_line_error, run_cli
-from tests.test_train import load_config, read_records
+from tests.helpers.cli import assert_one_line_error, run_cli
+from tests.helpers.configs import digits_config, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "regression")
@@ -124,13 +123,13 @@ def digits_runs(tmp_path_factory, digits_data_dir):
     the data function stopped after step 2 and resumed."""
     root = tmp_path_factory.mktemp("digits_runs")
     steps = dict(num_train_steps=6, eval_every_steps=2, checkpoint_every_steps=2)
-    tfds_config = load_config(data_dir=digits_data_dir, **steps)
-    function_config = load_config(dataset=DIGITS_FUNCTION, **steps)
+    tfds_config = digits_config(data_dir=digits_data_dir, **steps)
+    function_config = digits_config(dataset=DIGITS_FUNCTION, **steps)
     results = {
         "tfds": trainer.train_and_evaluate(tfds_config, str(root / "tfds"), quiet=True),
         "function": trainer.train_and_evaluate(function_config, str(root / "function"), quiet=True),
     }
-    first_part = load_config(dataset=DIGITS_FUNCTION, **{**steps, "num_train_steps": 2})
+    first_part = digits_config(dataset=DIGITS_FUNCTION, **{**steps, "num_train_steps": 2})
     trainer.train_and_evaluate(first_part, str(root / "resumed"), quiet=True)
     results["resumed"] = trainer.train_and_evaluate(
         function_config, str(root / "resumed"), quiet=True
@@ -377,14 +376,6 @@ def test_a_catalog_builder_is_still_never_prepared(tmp_path):
 
 
 # ---- Doctests of the new modules
-
-
-@pytest.mark.parametrize("module", [user_sources, array_records], ids=lambda m: m.__name__)
-def test_docstring_examples_run(module, tmp_path):
-    result = doctest.testmod(
-        module, extraglobs={"np": np, "tmp_dir": str(tmp_path)}, optionflags=doctest.ELLIPSIS
-    )
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_the_example_data_module_runs_as_a_script(tmp_path):

@@ -42,7 +42,7 @@ def _config(data_dir, mesh, model=None, **overrides):
 
 
 def _records(workdir, split):
-    from tests.test_train import read_records
+    from tests.helpers.configs import read_records
 
     return {r["step"]: r for r in read_records(workdir) if r.get("split") == split}
 

@@ -220,9 +220,9 @@ def test_the_program_passes_activations_and_never_gathers_a_stage(batches):
 
 
 def _lm_config(data_dir, mesh, **overrides):
-    from tests.test_lm import load_config
+    from tests.helpers.configs import load_config
 
-    _, config = load_config("lm_tiny", "smoke")
+    config = load_config("lm_tiny", "smoke")
     config.model.update(num_layers=4)
     config.update(mesh=mesh, data_dir=data_dir, eval_every_steps=2, checkpoint_every_steps=2)
     config.update(keep_checkpoints=5, **overrides)
@@ -239,7 +239,7 @@ def stdlib_dir(tmp_path_factory):
 
 
 def _eval_records(workdir):
-    from tests.test_train import read_records
+    from tests.helpers.configs import read_records
 
     return {r["step"]: r for r in read_records(workdir) if r.get("split") == "test"}
 

@@ -270,9 +270,9 @@ def test_loss_scale_survives_a_checkpoint(tmp_path):
 
 def test_nonfinite_halt_names_the_step_and_records_the_batch(tmp_path, digits_data_dir):
     from replicator import trainer
-    from tests.test_train import load_config
+    from tests.helpers.configs import digits_config
 
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir, learning_rate=1e30, optimizer="sgd", num_train_steps=6
     )
     with pytest.raises(FloatingPointError, match=r"at step (\d+).*recorded in") as info:
@@ -284,9 +284,9 @@ def test_nonfinite_halt_names_the_step_and_records_the_batch(tmp_path, digits_da
 
 def test_nonfinite_skip_keeps_training(tmp_path, digits_data_dir):
     from replicator import trainer
-    from tests.test_train import load_config
+    from tests.helpers.configs import digits_config
 
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         learning_rate=1e30,
         optimizer="sgd",

@@ -21,8 +21,8 @@ from replicator import storage, trainer
 from replicator.trainer import actions
 from replicator.trainer.config import ConfigError, validate
 from tests import gcs
+from tests.helpers.configs import digits_config
 from tests.test_multiprocess import train_2x4
-from tests.test_train import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 XPROF = os.path.join(os.path.dirname(sys.executable), "xprof")  # the `profile` extra's server
@@ -204,7 +204,7 @@ def test_the_profiler_server_runs_while_training_and_stops_after(tmp_path, digit
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        config = load_config(data_dir=digits_data_dir, profile_port=port)
+        config = digits_config(data_dir=digits_data_dir, profile_port=port)
         trainer.train_and_evaluate(config, str(tmp_path / "run"), quiet=True)
     finally:
         done.set()
@@ -223,4 +223,4 @@ def test_a_busy_port_is_a_warning_not_a_silent_failure(caplog):
 @pytest.mark.parametrize("port", [0, 65536])
 def test_profile_port_must_be_a_port(port):
     with pytest.raises(ConfigError, match="'profile_port' must be a port"):
-        validate(load_config(profile_port=port))
+        validate(digits_config(profile_port=port))

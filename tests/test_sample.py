@@ -254,7 +254,7 @@ def test_bf16_policy_caches_in_bf16():
 def lm_run(tmp_path_factory):
     """lm_tiny's smoke mode trained 2 steps (rotary positions, 2 layers) in-process."""
     from replicator.trainer import train_and_evaluate
-    from tests.test_configs import CONFIG_DIR, load_config
+    from tests.helpers.configs import CONFIG_DIR, load_config
 
     config = load_config(CONFIG_DIR / "lm_tiny.py", "smoke")
     workdir = str(tmp_path_factory.mktemp("sample") / "run")
@@ -304,7 +304,7 @@ def test_sample_without_checkpoint_or_init_from_is_one_line(tmp_path, lm_run):
 
 @pytest.mark.slow
 def test_the_command_prints_one_json_line_per_sample_and_bad_inputs_exit_2(lm_run, tmp_path):
-    from tests.test_cli import assert_one_line_error, run_cli
+    from tests.helpers.cli import assert_one_line_error, run_cli
 
     config, workdir = lm_run
     done = run_cli(
@@ -336,7 +336,7 @@ def test_the_command_prints_one_json_line_per_sample_and_bad_inputs_exit_2(lm_ru
     ],
 )
 def test_more_bad_inputs_are_one_line(lm_run, args, expected):
-    from tests.test_cli import run_cli
+    from tests.helpers.cli import run_cli
 
     _, workdir = lm_run
     done = run_cli("sample", "--workdir", workdir, *args)
@@ -403,22 +403,6 @@ def test_sample_with_init_from_hf_and_no_checkpoint_samples_the_import(tmp_path)
     assert all(r["step"] is None for r in records)
     assert [r["ids"] for r in records] == [_hf_greedy(hf_model, p, 6) for p in PROMPTS]
     assert not os.path.exists(tmp_path / "run")  # sampling writes nothing
-
-
-@pytest.mark.parametrize(
-    "module",
-    [
-        pytest.param("experiments.lm.sample", marks=pytest.mark.slow),
-        "experiments.lm.kv_cache",
-        "replicator.trainer.sample_command",
-    ],
-)
-def test_docstring_examples_run(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), extraglobs={"jnp": jnp, "jax": jax})
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_text_in_and_out_with_the_byte_tokenizer():

@@ -3,14 +3,14 @@
 import pytest
 
 from replicator import trainer
-from tests.test_train import load_config
+from tests.helpers.configs import digits_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory, digits_data_dir):
-    config = load_config(mode="", data_dir=digits_data_dir)
+    config = digits_config(mode="", data_dir=digits_data_dir)
     return trainer.train_and_evaluate(config, str(tmp_path_factory.mktemp("fp32")), quiet=True)
 
 
@@ -20,7 +20,7 @@ def test_digits_reaches_97_percent(fp32):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_within_one_point_of_fp32(tmp_path, digits_data_dir, fp32, precision):
-    config = load_config(mode="", data_dir=digits_data_dir, precision=precision)
+    config = digits_config(mode="", data_dir=digits_data_dir, precision=precision)
     result = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
     assert abs(result["accuracy"] - fp32["accuracy"]) <= 0.01, (result, fp32)
 
@@ -52,10 +52,10 @@ def test_nnx_cnn_reaches_97_percent_and_evaluates_on_1_and_3_devices(
     """configs/digits_nnx_cnn.py in full (the Flax NNX tutorial's CNN), on 8 replicas."""
     import jax
 
-    from tests.test_configs import CONFIG_DIR
-    from tests.test_configs import load_config as load_config_file
+    from tests.helpers.configs import CONFIG_DIR
+    from tests.helpers.configs import load_config as load_config_file
 
-    config = load_config_file(CONFIG_DIR / "digits_nnx_cnn.py")
+    config = load_config_file(CONFIG_DIR / "digits_nnx_cnn.py", "")
     config.update(data_dir=digits_data_dir, precision=precision)
     result = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
     assert result["accuracy"] >= 0.97 and result["num_examples"] == 360

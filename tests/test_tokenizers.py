@@ -22,7 +22,7 @@ from experiments.datasets.tokenizers import TIKTOKEN_PRESETS, load_tokenizer
 from experiments.lm.task import check_tokenizer
 from replicator.errors import ConfigError
 from replicator.trainer import data
-from tests.test_cli import assert_one_line_error, run_cli
+from tests.helpers.cli import assert_one_line_error, run_cli
 
 DOCUMENTS = [
     "def f(x):\n    return x * 2  # doubled\n",

@@ -8,7 +8,6 @@ run that does not fit. The compiles are skipped where libtpu cannot be imported
 """
 
 import copy
-import doctest
 import importlib
 import importlib.util
 import json
@@ -23,6 +22,7 @@ from replicator.compiled import topology as topology
 from replicator.errors import TopologyError
 from replicator.runtime import worker_env
 from replicator.trainer import aot
+from tests.helpers.configs import load_config
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -31,15 +31,6 @@ needs_libtpu = pytest.mark.skipif(
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
-
-
-def load_config(name, mode="smoke", **overrides):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(mode)
-    config.update(overrides)
-    return config
 
 
 def report_folder(workdir):
@@ -54,14 +45,6 @@ def run_cli(*args, cwd=ROOT):
         [sys.executable, "-m", "replicator", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize("module", ["replicator.compiled.topology", "replicator.trainer.aot",
-                                    "replicator.trainer.peaks", "replicator.trainer.compile_report",
-                                    "replicator.trainer.data.metadata",
-                                    "replicator.runtime.preflight"])  # fmt: skip
-def test_the_doctests(module):
-    assert doctest.testmod(importlib.import_module(module)).failed == 0
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,7 @@
 """The training driver and the command line, end to end on the offline digits."""
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import ml_collections
@@ -13,28 +10,16 @@ import pytest
 
 from replicator import trainer
 from replicator.trainer.setup import setup
+from tests.helpers.cli import run_cli
+from tests.helpers.configs import digits_config, read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(mode="smoke", **overrides):
-    spec = importlib.util.spec_from_file_location("digits_cnn", f"{ROOT}/configs/digits_cnn.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(mode)
-    config.update(overrides)
-    return config
-
-
-def read_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, digits_data_dir):
     workdir = str(tmp_path_factory.mktemp("run"))
-    config = load_config(
+    config = digits_config(
         data_dir=digits_data_dir,
         num_train_steps=6,
         eval_every_steps=3,
@@ -83,7 +68,7 @@ def test_eval_restores_onto_any_device_count(trained, num_devices):
 def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
     results = {}
     for path in ("run", "compile"):
-        config = load_config(data_dir=digits_data_dir, step_path=path)
+        config = digits_config(data_dir=digits_data_dir, step_path=path)
         results[path] = trainer.train_and_evaluate(config, str(tmp_path / path), quiet=True)
     assert results["run"]["loss"] == pytest.approx(results["compile"]["loss"], rel=1e-4)
     assert results["run"]["accuracy"] == pytest.approx(results["compile"]["accuracy"], abs=0.01)
@@ -91,7 +76,7 @@ def test_compile_path_trains_like_the_run_path(tmp_path, digits_data_dir):
 
 def test_eval_without_checkpoint_is_a_clear_error(tmp_path, digits_data_dir):
     with pytest.raises(FileNotFoundError, match="No readable checkpoint.*available steps: none"):
-        trainer.evaluate(load_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
+        trainer.evaluate(digits_config(data_dir=digits_data_dir), str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize(
@@ -114,7 +99,7 @@ def test_bad_config_fails_before_the_workdir_is_touched(
 ):
     # As a config file would write it (ConfigDict's own type checks apply only to overrides).
     config = ml_collections.ConfigDict(
-        {**load_config(data_dir=digits_data_dir).to_dict(), **overrides}
+        {**digits_config(data_dir=digits_data_dir).to_dict(), **overrides}
     )
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match=match):
@@ -141,29 +126,17 @@ def test_an_experiment_that_breaks_the_protocol_is_named(
         f"    return dataclasses.replace(classify(settings), {change})\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = load_config(data_dir=digits_data_dir, experiment=name)
+    config = digits_config(data_dir=digits_data_dir, experiment=name)
     config.update(num_train_steps=2, eval_every_steps=2)
     with pytest.raises(trainer.ConfigError, match=match):
         trainer.train_and_evaluate(config, str(tmp_path / "run"), quiet=True)
 
 
 def test_missing_key_is_named(digits_data_dir):
-    config = load_config(data_dir=digits_data_dir)
+    config = digits_config(data_dir=digits_data_dir)
     del config["batch_size"]
     with pytest.raises(ValueError, match="missing required key 'batch_size'"):
         setup(config)
-
-
-def run_cli(*args, devices=2):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run(
-        [sys.executable, "-m", "replicator", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_cli_train_then_eval(tmp_path, digits_data_dir):
@@ -201,7 +174,7 @@ def test_cli_rejects_unknown_override(tmp_path):
 
 
 def test_a_finished_run_rerun_only_evaluates_and_keeps_its_records(tmp_path, digits_data_dir):
-    config = load_config(data_dir=digits_data_dir, num_train_steps=4, eval_every_steps=2)
+    config = digits_config(data_dir=digits_data_dir, num_train_steps=4, eval_every_steps=2)
     first = trainer.train_and_evaluate(config, str(tmp_path), quiet=True)
     records = read_records(tmp_path)
     events = sorted(os.listdir(tmp_path / "tensorboard"))
@@ -216,12 +189,12 @@ def test_a_finished_run_rerun_only_evaluates_and_keeps_its_records(tmp_path, dig
 
 
 def test_fsdp_min_size_zero_shards_every_parameter_from_the_config(digits_data_dir):
-    config = load_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}, fsdp_min_size=0)
+    config = digits_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}, fsdp_min_size=0)
     run = setup(config)
     assert run.repl.min_size == 0
     params = jax.tree.leaves(run.abstract_state.params)
     assert all("fsdp" in x.sharding.spec for x in params), [x.sharding.spec for x in params]
-    default = setup(load_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}))
+    default = setup(digits_config(data_dir=digits_data_dir, mesh={"data": 4, "fsdp": 2}))
     assert any(
         "fsdp" not in x.sharding.spec for x in jax.tree.leaves(default.abstract_state.params)
     )

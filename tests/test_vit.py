@@ -23,8 +23,7 @@ from replicator.errors import ConfigError
 from replicator.parallel import sharding as sharding
 from replicator.trainer import init_from, pretrained
 from replicator.trainer.safetensors_files import SafetensorsDir
-from tests.test_configs import CONFIG_DIR, load_config
-from tests.test_train import read_records
+from tests.helpers.configs import CONFIG_DIR, load_config, read_records
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -230,12 +229,3 @@ def test_the_sharding_rules_split_the_vit_as_they_split_the_lm():
     assert specs[block + "mlp/proj/kernel/value"][:2] == ("tensor", "fsdp")
     assert specs["params/position_embedding/value"][:2] == (None, "fsdp")
     assert specs["params/patch_embedding/kernel/value"][:4] == (None, None, None, "fsdp")
-
-
-def test_the_docstring_examples_run():
-    import doctest
-
-    from experiments.classify import hf, vit
-
-    for module in (vit, hf):
-        assert doctest.testmod(module).failed == 0, module.__name__

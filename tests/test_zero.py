@@ -345,3 +345,60 @@ def test_gradients_pair_with_their_parameters_by_path_when_shapes_collide():
         np.testing.assert_allclose(
             np.asarray(out[key]), np.asarray(params[key]) - 0.1 * plain[key], rtol=1e-5
         )
+
+
+class Colliding(nn.Module):
+    """Two kernels whose fsdp=8 slices share one shape, split on different axes, and a
+    kernel left frozen: the optimizer state is no tree of the gradients' shape, so each
+    slice is known by its path, not its shape (as LoRA's adapters are)."""
+
+    @nn.compact
+    def __call__(self, x):
+        def kernel(name, shape, names):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+            return self.param(name, init, shape)
+
+        a = kernel("a", (64, 128), ("embed", None))  # slices [8, 128]
+        b = kernel("b", (8, 1024), (None, "embed"))  # slices [8, 128] too
+        frozen = kernel("frozen", (128, 8), (None, None))
+        return jnp.tanh(x @ a) @ frozen @ b
+
+
+def test_slices_of_one_shape_split_differently_update_by_their_paths():
+    def labels(params):
+        return {name: "frozen" if name == "frozen" else "train" for name in params}
+
+    def make_tx():
+        return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
+                                     labels)  # fmt: skip
+
+    def loss(params, batch):
+        out = Colliding().apply({"params": params}, batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2, axis=-1)
+
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(16, 64)).astype(np.float32),
+             "y": rng.normal(size=(16, 1024)).astype(np.float32)} for _ in range(3)]  # fmt: skip
+    init = lambda key, tx: rp.TrainState.create(  # noqa: E731
+        Colliding().init(key, jnp.zeros((1, 64)))["params"], tx, key
+    )
+    repl = rp.Replicator(mesh={"data": 1, "fsdp": 8}, rules=[("embed", "fsdp")])
+    tx = repl.wrap_optimizer(make_tx())
+    state = repl.init(lambda key: init(key, tx), jax.random.key(0))
+
+    def step(state, batch):
+        _, grads = state.value_and_grad(lambda p, b: rp.compute_average_loss(loss(p, b)), batch)
+        return state.apply_gradients(grads, tx)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to a whole-leaf update
+        for batch in data:
+            state = repl.run(step, state, repl.shard_batch(batch))
+    want, plain = init(jax.random.key(0), make_tx()), make_tx()
+    for batch in data:
+        grads = jax.grad(lambda p, b=batch: jnp.mean(loss(p, b)))(want.params)
+        want = want.apply_gradients(grads, plain)
+    got, expected = nn.meta.unbox(state.params), nn.meta.unbox(want.params)
+    np.testing.assert_array_equal(got["frozen"], expected["frozen"])
+    for name in ("a", "b"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5)

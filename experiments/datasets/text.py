@@ -226,7 +226,8 @@ def recorded_tokenizer(dataset: str) -> str | None:
     it is not known.
 
     For the builders here, the ``tokenizer=`` the name gives (``bytes`` by default),
-    which the prepared copy's directory name and ``metadata.json`` carry; for
+    which the prepared copy's directory name and ``metadata.json`` carry (as for
+    ``chat/...`` and ``preferences/...``, `experiments.datasets.chat`); for
     ``array_record:PATTERN``, the ``tokenizer`` of a ``metadata.json`` beside the
     files, if there is one.
 
@@ -247,6 +248,9 @@ def recorded_tokenizer(dataset: str) -> str | None:
         name, kwargs = tfds.core.naming.parse_builder_name_kwargs(dataset)
     except ValueError:
         return None
+    if name.name in ("chat", "preferences"):  # experiments.datasets.chat: no default tokenizer
+        spec = kwargs.get("tokenizer")
+        return load_tokenizer(str(spec)).fingerprint if spec else None
     if name.name not in ("python_stdlib", "text_files", "text_tfds"):
         return None
     return load_tokenizer(str(kwargs.get("tokenizer", BYTES))).fingerprint

@@ -4,10 +4,13 @@
 
 * ``"bytes"``: UTF-8 bytes, vocabulary 256, documents separated by the byte 0.
 * a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library; Llama 3, Qwen2,
-  GPT-2, Mistral ship one). A ``tokenizer_config.json`` beside it names the
-  ``eos_token``/``bos_token``; without one the usual names are looked up
-  (``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``). Both files (and
-  ``special_tokens_map.json``) are what an export copies.
+  GPT-2, Mistral ship one), or the directory holding it (a checkpoint's). A
+  ``tokenizer_config.json`` beside it names the ``eos_token``/``bos_token``/``pad_token``;
+  without one the usual names are looked up (``</s>``, ``<|endoftext|>``,
+  ``<|end_of_text|>``, ``<eos>``). Both files (and ``special_tokens_map.json``) are
+  what an export copies. Its chat template is found where transformers saves one
+  (`find_chat_template`), with the special tokens' strings it sees
+  (`template_variables`).
 * a sentencepiece model (``.model``, protobuf; Llama 2, Mistral, T5): its own
   ``eos_id``/``bos_id``.
 * a tiktoken BPE file (lines of ``base64-token rank``; ``.tiktoken``, or
@@ -27,7 +30,8 @@
 
 Every file is local and read once; a missing or unreadable one is a one-line
 `ConfigError`. A ``.model`` file is told apart by its content (a tiktoken file
-is text, a sentencepiece model protobuf). `Tokenizer.fingerprint` names the kind
+is text, a sentencepiece model protobuf); a directory stands for its ``tokenizer.json``
+(else its ``tokenizer.model``). `Tokenizer.fingerprint` names the kind
 and a digest of the file's bytes (and, for tiktoken, of the preset), so data
 tokenized by one tokenizer is never read as another's; `Tokenizer.files` are what
 an export copies beside the weights.
@@ -41,9 +45,12 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 
-from replicator.errors import ConfigError
+import numpy as np
+
+from replicator.errors import ConfigError, DatasetError
 
 BYTES = "bytes"
 # The names a tokenizer.json's end-of-document / start-of-document tokens go by.
@@ -68,6 +75,7 @@ class Tokenizer(abc.ABC):
       vocab_size: ids are in ``[0, vocab_size)`` (special tokens included).
       eos_id: the id that ends a document (the separator between documents), or None.
       bos_id: the id that starts one, or None.
+      pad_id: the id a tokenizer_config.json names as its ``pad_token``, or None.
       fingerprint: ``KIND`` or ``KIND-DIGEST``: which tokenizer this is, by content.
       files: the tokenizer's files, which an export copies beside the weights.
     """
@@ -75,6 +83,7 @@ class Tokenizer(abc.ABC):
     vocab_size: int
     eos_id: int | None
     bos_id: int | None
+    pad_id: int | None = None
     fingerprint: str
     files: tuple[str, ...]
 
@@ -85,6 +94,13 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``."""
+
+    def token_bytes(self) -> np.ndarray:
+        """``[vocab_size]`` int32: the UTF-8 bytes of text each id stands for (0 for a
+        special token), so that a text's bytes are the sum over its ids: the denominator
+        of bits per byte. (Here each id decoded alone; the kinds below read their
+        vocabularies: a sentencepiece word-start mark counts as its space.)"""
+        return np.array([len(self.decode([i]).encode()) for i in range(self.vocab_size)], np.int32)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.fingerprint}, vocab_size={self.vocab_size})"
@@ -101,6 +117,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> np.ndarray:
+        return np.ones(self.vocab_size, np.int32)
+
 
 class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json``, through the ``tokenizers`` library."""
@@ -116,6 +135,7 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._first_id(named.get("eos_token"), *EOS_NAMES)
         self.bos_id = self._first_id(named.get("bos_token"), *BOS_NAMES)
+        self.pad_id = self._first_id(named.get("pad_token"))
         # The separator the data holds is part of what the tokenizer is.
         self.fingerprint = f"hf-{_digest(data + f'{self.eos_id},{self.bos_id}'.encode())}"
         beside = ("tokenizer_config.json", "special_tokens_map.json")
@@ -129,8 +149,41 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each one's ``(start, end)`` characters in it, as
+        transformers' fast tokenizers give them (``add_special_tokens``: the
+        tokenizer.json's post-processor, BOS and the like, as ``tokenizer(text)`` adds)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.offsets
+
+    def id_to_token(self, index: int) -> str | None:
+        """The token string of ``index`` (``<|eot_id|>``), or None outside the vocabulary."""
+        return self._tokenizer.id_to_token(int(index))
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        """Byte-level BPE (GPT-2, Llama 3, Qwen): a token's characters are its bytes (one
+        character each, GPT-2's byte alphabet); else a sentencepiece-like vocabulary
+        (``▁`` a space, ``<0xNN>`` one byte). Special tokens: 0."""
+        description = json.loads(self._tokenizer.to_str())
+        byte_level = "ByteLevel" in json.dumps(description.get("decoder"))
+        specials = {t["id"] for t in description.get("added_tokens", ()) if t.get("special")}
+        out = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            token = self._tokenizer.id_to_token(i)
+            if token is None or i in specials:
+                continue
+            if byte_level:
+                out[i] = len(token)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                out[i] = 1
+            else:
+                out[i] = len(token.replace("\u2581", " ").encode())
+        return out
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -154,6 +207,15 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
+
+    def token_bytes(self) -> np.ndarray:
+        p, out = self._processor, np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            if p.is_byte(i):
+                out[i] = 1
+            elif not (p.is_control(i) or p.is_unknown(i)):
+                out[i] = len(p.id_to_piece(i).replace("\u2581", " ").encode())
+        return out
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -179,12 +241,24 @@ class TiktokenTokenizer(Tokenizer):
         self.eos_id, self.bos_id = special_ids.get(eos), special_ids.get(bos)
         self.fingerprint = f"tiktoken-{_digest(data + preset.encode())}"
         self.files = (path,)
+        self._ranks, self._pattern, self._specials = ranks, pattern, specials  # tokenizer_export
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode([int(i) for i in ids])
+
+    def token_bytes(self) -> np.ndarray:
+        out = np.zeros(self.vocab_size, np.int32)
+        specials = self._encoding.special_tokens_set
+        for i in range(self.vocab_size):
+            try:
+                piece = self._encoding.decode_single_token_bytes(i)
+            except KeyError:  # an id between the ranks (none in the presets' files)
+                continue
+            out[i] = 0 if piece.decode("utf-8", "replace") in specials else len(piece)
+        return out
 
 
 _CL100K_PATTERN = (
@@ -223,9 +297,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer that ``spec`` names: ``"bytes"`` or a local tokenizer file.
 
     Args:
-      spec: ``"bytes"``; a ``tokenizer.json`` (Hugging Face); a sentencepiece
-        ``.model``; a tiktoken BPE file, optionally ``PATH:PRESET`` with a
-        preset of `TIKTOKEN_PRESETS` (default ``llama3``).
+      spec: ``"bytes"``; a ``tokenizer.json`` (Hugging Face) or the directory holding
+        it (`tokenizer_file`); a sentencepiece ``.model``; a tiktoken BPE file,
+        optionally ``PATH:PRESET`` with a preset of `TIKTOKEN_PRESETS` (default ``llama3``).
 
     Returns:
       The `Tokenizer`; the same object for the same spec and file content.
@@ -240,6 +314,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == BYTES:
         return ByteTokenizer()
     path, preset = _split_preset(spec)
+    path = tokenizer_file(path)
     try:
         with open(os.path.expanduser(path), "rb") as f:
             data = f.read()
@@ -263,6 +338,134 @@ def _cached(path: str, preset: str | None, data: bytes, named: tuple) -> Tokeniz
     if kind == "tiktoken":
         return TiktokenTokenizer(path, data, preset or "llama3")
     return SentencePieceTokenizer(path, data)
+
+
+def tokenizer_file(path: str) -> str:
+    """The tokenizer file ``path`` names: itself, or for a directory (a checkpoint's) its
+    ``tokenizer.json``, else its ``tokenizer.model``; a directory holding neither stays
+    as it is (and cannot be read).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = open(os.path.join(d, "tokenizer.json"), "w").close()
+    ...     tokenizer_file(d) == os.path.join(d, "tokenizer.json")
+    True
+    """
+    if not os.path.isdir(os.path.expanduser(path)):
+        return path
+    names = ("tokenizer.json", "tokenizer.model")
+    found = (os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)))
+    return next(found, path)
+
+
+# Where transformers saves a tokenizer's chat templates: one file, or named ones in a folder.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def find_chat_template(tokenizer: str, template: str | None = None) -> tuple[str, str] | None:
+    """The chat template that goes with ``tokenizer``, found where transformers keeps it.
+
+    In order: ``template`` (a jinja file) when given; ``additional_chat_templates/default.jinja``
+    and ``chat_template.jinja`` beside the tokenizer; ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of ``{name, template}``: the one named
+    ``default``). As in transformers, template files win over tokenizer_config.json.
+
+    Args:
+      tokenizer: a ``tokenizer.json`` or the directory holding it.
+      template: a jinja file that wins over the tokenizer's own.
+
+    Returns:
+      ``(source, origin)``: the template's text and where it was found, or None when the
+      tokenizer has none.
+
+    Raises:
+      DatasetError: ``template`` cannot be read, or the tokenizer has several templates
+        and none named ``default``.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = open(os.path.join(d, CHAT_TEMPLATE_FILE), "w").write("{{ messages }}")
+    ...     find_chat_template(d)[0]
+    '{{ messages }}'
+    """
+    if template is not None:
+        try:
+            with open(os.path.expanduser(template), encoding="utf-8") as f:
+                return f.read(), template
+        except (OSError, UnicodeDecodeError) as e:
+            raise DatasetError(
+                f"chat template {template!r} cannot be read ({getattr(e, 'strerror', None) or e}); "
+                "name a jinja file with template=PATH"
+            ) from None
+    directory = _tokenizer_dir(tokenizer)
+    # transformers reads the named templates after chat_template.jinja: a default.jinja wins.
+    for name in (os.path.join(CHAT_TEMPLATES_DIR, "default.jinja"), CHAT_TEMPLATE_FILE):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+    others = os.path.join(directory, CHAT_TEMPLATES_DIR)
+    if os.path.isdir(others) and any(n.endswith(".jinja") for n in os.listdir(others)):
+        raise DatasetError(
+            f"{others} holds chat templates and none named 'default'; name one with template=PATH"
+        )
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    configured = _read_json(config_path).get("chat_template")
+    if isinstance(configured, str):
+        return configured, f"{config_path} (chat_template)"
+    if isinstance(configured, list):
+        named = {t.get("name"): t.get("template") for t in configured if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"], f"{config_path} (chat_template 'default')"
+        raise DatasetError(
+            f"{config_path} has chat templates {sorted(map(str, named))} and none named "
+            "'default'; name one with template=PATH"
+        )
+    return None
+
+
+def template_variables(tokenizer: str) -> dict[str, str]:
+    """The special tokens' strings a chat template sees, as transformers passes them:
+    ``bos_token``, ``eos_token``, ``pad_token``, ... (any ``*_token`` of
+    ``tokenizer_config.json``, strings or AddedToken dicts, and its named
+    ``extra_special_tokens``; ``special_tokens_map.json``'s where the config lists no
+    ``added_tokens_decoder``, as transformers' legacy path reads it).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     config = {"bos_token": {"content": "<s>"}, "add_bos_token": True}
+    ...     _ = open(os.path.join(d, "tokenizer_config.json"), "w").write(json.dumps(config))
+    ...     template_variables(d)
+    {'bos_token': '<s>'}
+    """
+    directory = _tokenizer_dir(tokenizer)
+    config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    entries = dict(config)
+    if "added_tokens_decoder" not in config:
+        entries.update(_read_json(os.path.join(directory, "special_tokens_map.json")))
+    extra = entries.get("extra_special_tokens")
+    entries.update(extra if isinstance(extra, dict) else {})
+    variables = {}
+    for key, value in entries.items():
+        value = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(value, str):
+            variables[key] = value
+    return variables
+
+
+def _tokenizer_dir(tokenizer: str) -> str:
+    path = os.path.expanduser(tokenizer)
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _split_preset(spec: str) -> tuple[str, str | None]:
@@ -300,14 +503,15 @@ def _looks_like_tiktoken(data: bytes) -> bool:
 
 
 def _configured_specials(path: str) -> dict[str, str]:
-    """``eos_token``/``bos_token`` of a ``tokenizer_config.json`` (strings or AddedToken dicts)."""
+    """``eos_token``/``bos_token``/``pad_token`` of a ``tokenizer_config.json`` (strings or
+    AddedToken dicts)."""
     try:
         with open(path) as f:
             config = json.load(f)
     except (OSError, ValueError):
         return {}
     named = {}
-    for key in ("eos_token", "bos_token"):
+    for key in ("eos_token", "bos_token", "pad_token"):
         value = config.get(key) if isinstance(config, dict) else None
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):

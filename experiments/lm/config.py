@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from experiments.lm import lora
 from experiments.lm.model import Transformer
 from replicator.trainer import ConfigError, ConfigKeys, Settings
 
@@ -38,8 +39,8 @@ OPTIONS = {
         (str, None),
         None,
         "which activations the backward pass keeps (replicator.step.remat, MaxText's names): "
-        "None (all), 'full', 'minimal', 'save_dot_except_mlp', 'save_qkv_proj', "
-        "'minimal_offloaded'",
+        "None (all), 'full', 'minimal', 'minimal_with_context', 'save_dot_except_mlp', "
+        "'save_qkv_proj', 'minimal_offloaded'",
     ),
     "pipeline_microbatches": (
         (int, None),
@@ -60,7 +61,27 @@ OPTIONS = {
         "reorder each sequence so the 'context' shards share the causal work evenly "
         "(the length must divide by 2 x the axis size)",
     ),
+    "objective": (
+        (str,),
+        "lm",
+        "what the loss is: 'lm' (next-token prediction on every token), 'sft' (on the "
+        "assistant tokens of a chat/ dataset), 'dpo' or 'ipo' (preference pairs of a "
+        "preferences/ dataset against the starting weights), 'simpo' (reference-free)",
+    ),
+    "dpo_beta": (
+        (float,),
+        0.1,
+        "dpo/ipo/simpo: the preference loss's beta (IPO's tau is 1 / beta)",
+    ),
+    "dpo_label_smoothing": (
+        (float,),
+        0.0,
+        "dpo/simpo: the chance that a pair's label is flipped (conservative DPO), in [0, 0.5)",
+    ),
+    "simpo_gamma": ((float,), 0.5, "simpo: the target reward margin gamma"),
 }
+OBJECTIVES = ("lm", "sft", "dpo", "ipo", "simpo")
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo")
 # The options that are `Transformer` fields too (the rest are the data's).
 MODEL_OPTIONS = (
     "remat_policy", "pipeline_microbatches", "pipeline_repeats", "context_strategy",
@@ -106,12 +127,20 @@ _MODEL_ROWS = {
     "moe_every": ((int,), "every moe_every-th block is a mixture of experts"),
     "expert_routing": (
         (str, None),
-        "the gates' convention (rp.moe.ROUTINGS): 'switch' (k = 1), 'gshard' or 'mixtral'; "
-        "None: 'switch' for experts_per_token=1, else 'mixtral'",
+        "the gates' convention (rp.moe.ROUTINGS): 'switch' (the chosen experts' softmax "
+        "probabilities), 'gshard' or 'mixtral' (renormalised over the k); None: 'switch' for "
+        "experts_per_token=1, else 'mixtral'",
     ),
-    "norm": ((str,), "'layernorm' (GPT-2) or 'rmsnorm' (Llama)"),
+    "norm": (
+        (str,),
+        "'layernorm' (GPT-2), 'rmsnorm' (Llama) or 'gemma_rmsnorm' (Gemma: x / rms(x) * "
+        "(1 + scale))",
+    ),
     "norm_eps": ((float,), "the norms' epsilon"),
-    "mlp_activation": ((str,), "'gelu' (GPT-2) or 'swiglu' (Llama)"),
+    "mlp_activation": (
+        (str,),
+        "'gelu' (GPT-2), 'swiglu' (Llama) or 'geglu' (Gemma: tanh GELU gating)",
+    ),
     "num_kv_heads": (
         (int, None),
         "key/value heads, dividing num_heads (grouped-query attention); None: GPT-2's fused q/k/v",
@@ -124,6 +153,61 @@ _MODEL_ROWS = {
         "high_freq_factor, original_max_position_embeddings); None: none",
     ),
     "qkv_bias": ((bool, None), "biases on the q/k/v projections (None: use_bias; Qwen2: True)"),
+    "qk_norm": ((bool,), "queries and keys normalised over each head's width (Qwen3)"),
+    "moe_balance_weight": (
+        (float,),
+        "the weight of the experts' load-balancing loss (rp.moe.MoEAux's, 1 when balanced) in "
+        "the training loss; Hugging Face's router_aux_loss_coef x experts_per_token",
+    ),
+    "moe_z_loss_weight": ((float,), "the weight of the experts' router z-loss (ST-MoE's)"),
+    "moe_balance_pooled": (
+        (bool,),
+        "the balancing loss of all MoE layers' routing pooled (Hugging Face's "
+        "load_balancing_loss_func), not each layer's averaged",
+    ),
+    "embed_scale": ((bool,), "the token embeddings times sqrt(embed_dim) (Gemma)"),
+    "post_norms": (
+        (bool,),
+        "a norm on each branch's output before it is added too (Gemma 2 and 3)",
+    ),
+    "attn_logit_softcap": (
+        (float, None),
+        "attention scores soft-capped, cap * tanh(score / cap) (Gemma 2: 50.0; None: off)",
+    ),
+    "final_logit_softcap": ((float, None), "the logits soft-capped alike (Gemma 2: 30.0)"),
+    "query_pre_attn_scalar": (
+        (float, None),
+        "attention scores scaled by its -1/2 power (Gemma's; None: head_dim's)",
+    ),
+    "sliding_window": (
+        (int, None),
+        "the local layers attend to their position and the sliding_window - 1 before it "
+        "(None: every layer global)",
+    ),
+    "sliding_window_pattern": (
+        (int, None),
+        "with sliding_window: every n-th layer global, the rest local (Gemma 2: 2, Gemma 3: "
+        "6); None: every layer local",
+    ),
+    "rope_local_theta": (
+        (float, None),
+        "the local layers' rotary base, unscaled (Gemma 3: 10,000; None: rope_theta)",
+    ),
+    "lora_rank": (
+        (int,),
+        "LoRA adapters of this rank on the lora_targets kernels, the rest frozen (0: off)",
+    ),
+    "lora_alpha": ((float,), "LoRA's alpha: the adapters' product is scaled by alpha / rank"),
+    "lora_dropout": ((float,), "dropout on the adapters' input in training"),
+    "lora_targets": (
+        (str,),
+        "a regex over the parameter paths `python -m replicator params` prints: the kernels "
+        "that get adapters (e.g. 'attention/(q|kv|out)_kernel')",
+    ),
+    "lora_quantize": (
+        (str, None),
+        "QLoRA: the frozen targeted kernels stored as 'int8' or 'nf4' (None: as the parameters)",
+    ),
 }
 # `Transformer` fields that are no model key: ``dtype`` is the precision policy's to set.
 NOT_MODEL_KEYS = ("dtype",)
@@ -189,9 +273,57 @@ def check_config(values: Mapping[str, Any]) -> list[str]:
     except ConfigError as e:
         return [str(e)]
     sizes = _axis_sizes(values["mesh"], values.get("dcn_mesh"))
-    return _pipeline_problems(model, sizes.get("stage"), values) + _expert_problems(
-        model, sizes.get("expert")
+    return (
+        _objective_problems(values)
+        + _pipeline_problems(model, sizes.get("stage"), values)
+        + _expert_problems(model, sizes.get("expert"))
+        + lora.lora_problems(model, sizes.get("stage"))
     )
+
+
+def _objective_problems(values: Mapping[str, Any]) -> list[str]:
+    """An unknown objective, a preference loss's keys out of range, or data of another
+    kind than the objective trains on (``chat/`` for sft, ``preferences/`` for dpo, ipo,
+    simpo, judged by the dataset's builder name; a dataset of one's own is checked by
+    its examples as the run starts)."""
+    objective = values["objective"]
+    if objective not in OBJECTIVES:
+        return [f"config.objective={objective!r}: use one of {list(OBJECTIVES)}"]
+    if not values["dpo_beta"] > 0:
+        return [f"config.dpo_beta={values['dpo_beta']} must be > 0"]
+    if not 0 <= values["dpo_label_smoothing"] < 0.5:
+        return [f"config.dpo_label_smoothing={values['dpo_label_smoothing']} must be in [0, 0.5)"]
+    dataset = str(values.get("dataset") or "")
+    if ":" in dataset:  # a dataset of one's own: its examples are checked as the run starts
+        return []
+    kind = dataset.split("/", 1)[0]
+    wanted = {"sft": "chat", "lm": None}.get(objective, "preferences")
+    if kind == "preferences" and objective in ("lm", "sft"):
+        return [
+            f"config.dataset={dataset!r} holds preference pairs: set config.objective='dpo', "
+            "'ipo' or 'simpo'"
+        ]
+    if wanted is not None and kind != wanted:
+        return [
+            f"config.objective={objective!r} trains on {wanted}/... data (its loss mask marks "
+            f"the tokens to learn); config.dataset={dataset!r} is none"
+        ]
+    return []
+
+
+def frozen_parameters(values: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What the LM freezes itself (`replicator.trainer.ConfigKeys.frozen`), beside
+    ``config.freeze``: under LoRA every parameter but the adapters; with ``dpo`` or
+    ``ipo`` and no LoRA, the reference's copy of the starting weights.
+
+    >>> frozen_parameters({"model": {"lora_rank": 8}, "objective": "dpo"})[1]
+    'LoRA: every parameter but the adapters'
+    """
+    if (values.get("model") or {}).get("lora_rank"):
+        return lora.FROZEN_BY_LORA, "LoRA: every parameter but the adapters"
+    if values.get("objective") in ("dpo", "ipo"):
+        return "^reference/", "the reference: a copy of the starting weights"
+    return None
 
 
 def _axis_sizes(mesh: Mapping[str, int], dcn_mesh: Mapping[str, int] | None) -> dict[str, int]:
@@ -253,4 +385,5 @@ CONFIG_KEYS = ConfigKeys(
     model=MODEL_KEYS,
     mesh_axes=("stage", "context", "expert"),
     check=check_config,
+    frozen=frozen_parameters,
 )

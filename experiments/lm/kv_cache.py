@@ -14,6 +14,13 @@ same slot at each step) and ``start`` each row's first real slot: prompts of
 different lengths are left-padded to one length, so that one dynamic-update-slice
 writes the whole batch's new tokens, and a row's positions count from its own
 start (``slot - start``), so each row computes exactly what it would alone.
+
+Sliding windows (Gemma's local layers, `attention_mask`'s ``window``): every layer keeps
+all its slots and a local layer masks those more than ``window - 1`` before each query.
+One stack for local and global layers alike is what a scan over the layers slices (the
+kinds alternate, Gemma 3's five local to one global); a ring of ``window`` slots per
+local layer would hold less (for Gemma 3 at 32k tokens and a 1k window, about a sixth of
+the cache) but needs a second stack and per-kind indexing: not done yet.
 """
 
 from __future__ import annotations
@@ -101,12 +108,17 @@ def positions(cache: KVCache, length: int) -> jax.Array:
     return jnp.maximum(slots_T[None, :] - cache.start[:, None], 0)
 
 
-def attention_mask(cache: KVCache, length: int) -> jax.Array:
+def attention_mask(cache: KVCache, length: int, window: int | None = None) -> jax.Array:
     """bool ``[batch, length, slots]``: which slots each of the next ``length`` tokens
-    attends to: its row's real slots up to its own (causal), never the padding."""
+    attends to: its row's real slots up to its own (causal), never the padding, and
+    with a sliding ``window`` only the ``window - 1`` before its own (a row's positions
+    and slots differ by its start alone, so the distance is the same in both)."""
     slots_S = jnp.arange(cache.length, dtype=jnp.int32)
     query_T = cache.index + jnp.arange(length, dtype=jnp.int32)
-    causal_TxS = slots_S[None, :] <= query_T[:, None]
+    distance_TxS = query_T[:, None] - slots_S[None, :]
+    causal_TxS = distance_TxS >= 0
+    if window is not None:
+        causal_TxS = causal_TxS & (distance_TxS < window)
     real_BxS = slots_S[None, :] >= cache.start[:, None]
     return causal_TxS[None] & real_BxS[:, None, :]
 
@@ -118,6 +130,7 @@ def attend(
     layer: tuple[jax.Array, jax.Array],
     index: jax.Array,
     mask_BxTxS: jax.Array,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Attention of the new tokens' queries over one layer's cache with their own keys
     and values written in at slot ``index`` (a local copy: the caller writes the
@@ -129,6 +142,7 @@ def attend(
       layer: this layer's cached keys and values, ``[batch, slots, K, D]`` each.
       index: the slot of the first new token.
       mask_BxTxS: `attention_mask`.
+      softcap: None, or the scores become ``softcap * tanh(score / softcap)`` (Gemma 2).
 
     Returns:
       ``[batch, T, H, D]`` in ``q``'s dtype.
@@ -145,6 +159,8 @@ def attend(
         preferred_element_type=jnp.float32,
     )  # fmt: skip
     scores = scores / np.sqrt(head_dim).astype(np.float32)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASKED)
     weights = jax.nn.softmax(scores, axis=-1).astype(q_BxTxHxD.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v_BxSxKxD.astype(q_BxTxHxD.dtype))

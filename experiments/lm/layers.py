@@ -7,7 +7,12 @@ key/value one of ``num_kv_heads`` heads (grouped-query attention: each key/value
 head serves ``num_heads / num_kv_heads`` query heads), a SwiGLU MLP
 (``down(silu(gate(x)) * up(x))``), rotary positions of base ``rope_theta``, with
 Llama 3's rescaling of the long wavelengths (`rope_frequencies`), and no biases
-but Qwen2's on q/k/v. `experiments.lm.model.Transformer` picks them by its keys.
+but Qwen2's on q/k/v. Gemma 2 and 3 keep Llama's attention with their own pieces:
+`GemmaRMSNorm` (``x / rms(x) * (1 + scale)``), a GeGLU MLP (`GatedFeedForward` with
+the tanh GELU), soft-capped scores, ``query_pre_attn_scalar`` (`SelfAttention._scaled`),
+and local layers within a sliding window with a rotary base of their own, each layer
+picking its kind's kernel and frequencies (`by_layer_kind`).
+`experiments.lm.model.Transformer` picks them by its keys.
 
 Rotary embeddings use the half-split layout (GPT-NeoX's, Hugging Face's
 ``rotate_half``): feature ``i`` pairs with ``i + D/2``, so Hugging Face's Llama
@@ -41,6 +46,7 @@ from flax.linen.dtypes import promote_dtype
 from jax.ad_checkpoint import checkpoint_name
 
 from experiments.lm import kv_cache
+from experiments.lm import lora as lora_lib
 from replicator.attention.context import context_attention, context_size, sequence_positions
 from replicator.parallel import axes as mesh_axes
 from replicator.parallel.activations import batch_axes, constrain, current_axes
@@ -51,8 +57,8 @@ VOCAB, EMBED, MLP, HEADS, KV = "vocab", "embed", "mlp", "heads", "kv"
 ACTIVATION_BxTxE = ("activation_batch", "activation_length", "activation_embed")
 ACTIVATION_BxTxHxD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 ACTIVATION_BxTxM = ("activation_batch", "activation_length", "activation_mlp")
-NORMS = ("layernorm", "rmsnorm")
-MLP_ACTIVATIONS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
 GATHER_ABOVE = 32 * 2**20
 """Bytes per device above which a projection's activation (its input or output) makes
 it gather its kernel whole for the product (`gather_spec`)."""
@@ -65,6 +71,25 @@ def normal(stddev: float, names: tuple[str | None, ...]) -> Any:
     return nn.with_logical_partitioning(nn.initializers.normal(stddev), names)
 
 
+def _kernel(module, name: str, stddev: float, shape: tuple, names: tuple) -> jax.Array:
+    """The projection kernel ``name`` (normal init), stored as QLoRA says (`lora_lib.kernel`)."""
+    init = nn.initializers.normal(stddev)
+    return lora_lib.kernel(module, name, init, shape, names, module.lora)
+
+
+def _adapted(module, name: str, equation: str, x, y, shape: tuple, names: tuple) -> jax.Array:
+    """``y = einsum(equation, x, kernel)`` plus LoRA's term where the kernel has an adapter,
+    whose ``A`` and ``B`` are gathered as the kernel is (`gather_spec`: XLA would rather
+    move the activations than the small adapters)."""
+
+    def gathered(w: jax.Array, w_names: tuple) -> jax.Array:
+        spec = gather_spec(w, w_names, x, y)
+        return w if spec is None else jax.lax.with_sharding_constraint(w, spec)
+
+    extra = lora_lib.delta(module, name, equation, x, shape, names, module.lora, gathered)
+    return y if extra is None else y + extra.astype(y.dtype)
+
+
 def zeros(names: tuple[str | None, ...]) -> Any:
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
 
@@ -73,9 +98,10 @@ def ones(names: tuple[str | None, ...]) -> Any:
     return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
 
 
-def make_norm(kind: str, eps: float, dtype: Any, name: str) -> nn.Module:
+def make_norm(kind: str, eps: float, dtype: Any, name: str, axis: str = EMBED) -> nn.Module:
     """``"layernorm"`` (``scale`` and ``bias``) or ``"rmsnorm"`` (``scale`` only) over the
-    embedding width, statistics in float32.
+    last axis, statistics in float32; ``axis`` names it for the sharding rules (the
+    embedding width, or ``KV``: a head's, for q/k norms).
 
     >>> x = jnp.array([[6.0, -2.0]])  # x / sqrt(mean(x**2)): x / sqrt(20)
     >>> y = make_norm("rmsnorm", 0.0, None, "n").apply({"params": {"scale": jnp.ones(2)}}, x)
@@ -83,27 +109,58 @@ def make_norm(kind: str, eps: float, dtype: Any, name: str) -> nn.Module:
     [1.3416, -0.4472]
     """
     if kind == "rmsnorm":
-        return nn.RMSNorm(epsilon=eps, dtype=dtype, scale_init=ones((EMBED,)), name=name)
+        return nn.RMSNorm(epsilon=eps, dtype=dtype, scale_init=ones((axis,)), name=name)
+    if kind == "gemma_rmsnorm":
+        return GemmaRMSNorm(eps, dtype, names=(axis,), name=name)
     return nn.LayerNorm(
-        epsilon=eps, dtype=dtype, scale_init=ones((EMBED,)), bias_init=zeros((EMBED,)), name=name
+        epsilon=eps, dtype=dtype, scale_init=ones((axis,)), bias_init=zeros((axis,)), name=name
     )
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + scale)``, ``scale`` starting at zero (Hugging
+    Face's stored ``weight``), computed in float32 and cast to the compute dtype after the
+    product (Gemma's order; Llama's casts before it). ``names``: the scale's logical axis.
+
+    >>> y = GemmaRMSNorm(0.0).apply({"params": {"scale": jnp.ones(2)}}, jnp.array([[6.0, -2.0]]))
+    >>> [round(float(v), 4) for v in y[0]]  # x / sqrt(20) * 2
+    [2.6833, -0.8944]
+    """
+
+    epsilon: float
+    dtype: Any = None
+    names: tuple = (EMBED,)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", zeros(self.names), (x.shape[-1],))
+        x32 = jnp.asarray(x, jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+        return (normed * (1.0 + jnp.asarray(scale, jnp.float32))).astype(self.dtype or x.dtype)
+
+
 def check_rope_scaling(scaling: Mapping[str, Any] | None) -> None:
-    """Raises a one-line ``ValueError`` unless ``scaling`` is None or Llama 3's rope
-    scaling (Hugging Face's ``rope_scaling`` with ``rope_type`` ``"llama3"``, or without it).
+    """Raises a one-line ``ValueError`` unless ``scaling`` is None, Llama 3's rope
+    scaling (Hugging Face's ``rope_scaling`` with ``rope_type`` ``"llama3"``, or without it)
+    or a linear one (``{"rope_type": "linear", "factor": f}``: Gemma 3's global layers).
 
     >>> check_rope_scaling({"rope_type": "yarn", "factor": 4.0})
     Traceback (most recent call last):
     ...
-    ValueError: rope_scaling of rope_type='yarn': only 'llama3' is supported.
+    ValueError: rope_scaling of rope_type='yarn': only 'llama3' and 'linear' are supported.
     """
     if scaling is None:
         return
     scaling = dict(scaling)
     kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
+    if kind == "linear":
+        if set(scaling) != {"factor"} or not float(scaling["factor"]) > 0:
+            raise ValueError("rope_scaling of rope_type='linear' takes a positive factor alone.")
+        return
     if kind != "llama3":
-        raise ValueError(f"rope_scaling of rope_type={kind!r}: only 'llama3' is supported.")
+        raise ValueError(
+            f"rope_scaling of rope_type={kind!r}: only 'llama3' and 'linear' are supported."
+        )
     missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
     unknown = sorted(set(scaling) - set(ROPE_SCALING_KEYS))
     if missing or unknown:
@@ -128,8 +185,8 @@ def rope_frequencies(
       head_dim: the (even) head width.
       theta: the base (``rope_theta``: 10,000 for GPT-NeoX and Llama 2, 500,000
         for Llama 3).
-      scaling: None, or Llama 3's ``rope_scaling`` (`check_rope_scaling`), as a
-        mapping or its ``(key, value)`` pairs.
+      scaling: None, or Llama 3's ``rope_scaling`` (`check_rope_scaling`), or a linear
+        one (every frequency divided by ``factor``), as a mapping or its pairs.
 
     Returns:
       float32 frequencies, feature ``i`` of the first half paired with ``i + D/2``.
@@ -142,6 +199,8 @@ def rope_frequencies(
     if scaling is None:
         return inv
     s = dict(scaling)
+    if s.get("rope_type", s.get("type")) == "linear":  # positions divided by the factor
+        return (inv / np.float32(s["factor"])).astype(np.float32)
     factor, low, high = (np.float32(s[k]) for k in ROPE_SCALING_KEYS[:3])
     context = np.float32(s["original_max_position_embeddings"])
     wavelength = np.float32(2 * math.pi) / inv
@@ -171,7 +230,13 @@ def apply_rotary(
     True
     """
     half = x_BxTxHxD.shape[-1] // 2
-    frequencies_D2 = rope_frequencies(2 * half, base, scaling)
+    return rotate(x_BxTxHxD, rope_frequencies(2 * half, base, scaling), positions)
+
+
+def rotate(x_BxTxHxD: jax.Array, frequencies_D2: Any, positions: Any = None) -> jax.Array:
+    """`apply_rotary` by ``frequencies_D2`` (float32 ``[D/2]``, `rope_frequencies`; traced
+    where a scanned layer picks its kind's)."""
+    half = x_BxTxHxD.shape[-1] // 2
     if positions is None:
         positions = np.arange(x_BxTxHxD.shape[1])
     angles = jnp.asarray(positions, jnp.float32)[..., None] * frequencies_D2  # [(B,) T, D/2]
@@ -188,7 +253,13 @@ class SelfAttention(nn.Module):
     (GPT-2's); else ``q_kernel [E, H, D]`` and ``kv_kernel [E, 2, K, D]``, the ``K``
     key/value heads repeated to ``H`` for the attention (grouped-query attention).
     ``qkv_bias`` (None: ``use_bias``) adds their biases, ``use_bias`` the output's.
-    ``rope_scaling``: Llama 3's, as ``(key, value)`` pairs (hashable)."""
+    ``rope_scaling``: Llama 3's, as ``(key, value)`` pairs (hashable). ``lora``: the
+    projections' adapters (`experiments.lm.lora.LoraSpec`, or None). Gemma's:
+    ``attn_logit_softcap`` soft-caps the scores, ``query_pre_attn_scalar`` scales them by
+    its ``-1/2`` power (None: ``head_dim``'s), ``sliding_window`` is the local layers'
+    window and ``rope_local_theta`` their rotary base (None: ``rope_theta``, scaled).
+    ``qk_norm``: the queries and keys normalised over each head's width before the
+    rotary embedding (Qwen3's, Gemma 3's), a norm of kind ``norm`` each (`head_norms`)."""
 
     num_heads: int
     head_dim: int
@@ -203,27 +274,44 @@ class SelfAttention(nn.Module):
     qkv_bias: bool | None = None
     rope_theta: float = 10_000.0
     rope_scaling: tuple | None = None
+    lora: Any = None
+    attn_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    qk_norm: bool = False
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
 
     @nn.compact
     def __call__(
-        self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None, cache: Any = None
-    ) -> Any:
+        self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None,
+        cache: Any = None, local: Any = None,
+    ) -> Any:  # fmt: skip
         """``positions`` (``[B, T]``, or None for the sequence's own) rotate q and k;
-        ``segment_ids`` ``[B, T]`` keep attention within each segment. Decoding,
-        ``cache`` is ``((k, v), (index, mask))``, this layer's cache and where the new
-        tokens go (`experiments.lm.kv_cache.attend`), and the call returns the output
+        ``segment_ids`` ``[B, T]`` keep attention within each segment; ``local``: this
+        layer attends within ``sliding_window`` (a bool, traced under a scan of layers of
+        both kinds; None or False: a global layer, `by_layer_kind`). Decoding,
+        ``cache`` is ``((k, v), (index, mask[, window mask]))``, this layer's cache and
+        where the new tokens go (`experiments.lm.kv_cache.attend`), and the call returns the output
         and the new tokens' (rotated) keys and values, ``K`` heads, for the cache."""
         embed_dim = x_BxTxE.shape[-1]
         q, k, v = self._project(x_BxTxE)
+        if self.qk_norm:
+            q, k = head_norms(self, q, k)
         cp = context_size()
         balanced = self.context_load_balance and cp > 1
         if self.rotary:  # the original positions, of this device's block where split
             if positions is None:
                 positions = sequence_positions(q, balanced)
-            rotate = dict(base=self.rope_theta, positions=positions, scaling=self.rope_scaling)
-            q, k = apply_rotary(q, **rotate), apply_rotary(k, **rotate)
+            frequencies = self._frequencies(q.shape[-1], local)
+            q, k = rotate(q, frequencies, positions), rotate(k, frequencies, positions)
+        q = self._scaled(q)
         if cache is not None:
-            out_BxTxHxD = kv_cache.attend(q, k, v, cache[0], *cache[1])
+            index, mask, *window_mask = cache[1]
+            if window_mask:  # a local layer's: the slots within its window
+                mask = by_layer_kind(local, lambda: window_mask[0], lambda: mask)
+            out_BxTxHxD = kv_cache.attend(q, k, v, cache[0], index, mask, self.attn_logit_softcap)
             return self._out(out_BxTxHxD, embed_dim), (k, v)
         if k.shape[2] != self.num_heads:  # grouped: each k/v head serves H / K query heads
             k, v = (jnp.repeat(x, self.num_heads // x.shape[2], axis=2) for x in (k, v))
@@ -231,24 +319,46 @@ class SelfAttention(nn.Module):
         # Over a "context" axis the sequence's blocks attend across devices
         # (`replicator.attention.context`); without one this is `causal_attention`.
         segments = {} if segment_ids is None else {"segment_ids": segment_ids}
-        out_BxTxHxD = context_attention(
-            q, k, v, strategy=self.context_strategy, load_balanced=balanced,
-            implementation=self.attention, **segments,
-        )  # fmt: skip
+
+        def attend(window: int | None) -> jax.Array:
+            return context_attention(
+                q, k, v, strategy=self.context_strategy, load_balanced=balanced,
+                implementation=self.attention, window=window, softcap=self.attn_logit_softcap,
+                **segments,
+            )  # fmt: skip
+
+        window = self.sliding_window
+        out_BxTxHxD = by_layer_kind(
+            local if window else None, lambda: attend(window), lambda: attend(None)
+        )
         return self._out(out_BxTxHxD, embed_dim)
+
+    def _frequencies(self, head_dim: int, local: Any) -> Any:
+        """The rotary frequencies of this layer's kind (`rope_frequencies`): a local
+        layer's of base ``rope_local_theta``, unscaled (Gemma 3's), else ``rope_theta``'s
+        with ``rope_scaling``."""
+        frequencies = rope_frequencies(head_dim, self.rope_theta, self.rope_scaling)
+        if self.rope_local_theta is None or self.sliding_window is None:
+            return frequencies
+        own = rope_frequencies(head_dim, self.rope_local_theta)
+        return by_layer_kind(local, lambda: jnp.asarray(own), lambda: jnp.asarray(frequencies))
+
+    def _scaled(self, q: jax.Array) -> jax.Array:
+        """The queries scaled so that the kernels' ``1 / sqrt(head_dim)`` makes the scores'
+        scale ``query_pre_attn_scalar ** -0.5`` (Gemma's), every kernel alike."""
+        if self.query_pre_attn_scalar is None or self.query_pre_attn_scalar == self.head_dim:
+            return q
+        return q * jnp.asarray(math.sqrt(self.head_dim / self.query_pre_attn_scalar), q.dtype)
 
     def _out(self, out_BxTxHxD: jax.Array, embed_dim: int) -> jax.Array:
         """The output projection (and bias) of the heads' outputs."""
         # `replicator.attention` names its output (or splash its residuals) "context".
         out_BxTxHxD = constrain(out_BxTxHxD, ACTIVATION_BxTxHxD)
-        out_shape = (self.num_heads, self.head_dim, embed_dim)
-        out_kernel = self.param(
-            "out_kernel", normal(self.out_stddev, (HEADS, KV, EMBED)), out_shape
-        )
-        y_BxTxE = _product(
-            "bthd,hde->bte", out_BxTxHxD, jnp.asarray(out_kernel, out_BxTxHxD.dtype),
-            (HEADS, KV, EMBED),
-        )  # fmt: skip
+        out_shape, names = (self.num_heads, self.head_dim, embed_dim), (HEADS, KV, EMBED)
+        out_kernel = _kernel(self, "out_kernel", self.out_stddev, out_shape, names)
+        equation = "bthd,hde->bte"
+        y_BxTxE = _product(equation, out_BxTxHxD, jnp.asarray(out_kernel, out_BxTxHxD.dtype), names)
+        y_BxTxE = _adapted(self, "out_kernel", equation, out_BxTxHxD, y_BxTxE, out_shape, names)
         if self.use_bias:
             bias = self.param("out_bias", zeros((EMBED,)), (embed_dim,))
             y_BxTxE = y_BxTxE + jnp.asarray(bias, y_BxTxE.dtype)
@@ -258,24 +368,57 @@ class SelfAttention(nn.Module):
         """Queries ``[B, T, H, D]``, keys and values ``[B, T, K, D]``."""
         E, H, D = x_BxTxE.shape[-1], self.num_heads, self.head_dim
         bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+        fused = "bte,ekhd->btkhd"
         if self.num_kv_heads is None:  # GPT-2's fused projection
             names = (EMBED, None, HEADS, KV)
-            kernel = self.param("qkv_kernel", normal(0.02, names), (E, 3, H, D))
             bias_of = ("qkv_bias", names[1:]) if bias else None
-            qkv = _dense(self, x_BxTxE, kernel, "bte,ekhd->btkhd", bias_of, names)
+            qkv = self._projection(x_BxTxE, "qkv_kernel", fused, (E, 3, H, D), names, bias_of)
             qkv = checkpoint_name(qkv, "qkv_proj")
             return tuple(constrain(qkv[:, :, i], ACTIVATION_BxTxHxD) for i in range(3))
         K = self.num_kv_heads
-        q_kernel = self.param("q_kernel", normal(0.02, (EMBED, HEADS, KV)), (E, H, D))
-        kv_kernel = self.param("kv_kernel", normal(0.02, (EMBED, None, HEADS, KV)), (E, 2, K, D))
         q_bias, kv_bias = (
             (("q_bias", (HEADS, KV)), ("kv_bias", (None, HEADS, KV))) if bias else (None, None)
         )
-        q = _dense(self, x_BxTxE, q_kernel, "bte,ehd->bthd", q_bias, (EMBED, HEADS, KV))
-        kv = _dense(self, x_BxTxE, kv_kernel, "bte,ekhd->btkhd", kv_bias, (EMBED, None, HEADS, KV))
+        q_names, kv_names = (EMBED, HEADS, KV), (EMBED, None, HEADS, KV)
+        q = self._projection(x_BxTxE, "q_kernel", "bte,ehd->bthd", (E, H, D), q_names, q_bias)
+        kv = self._projection(x_BxTxE, "kv_kernel", fused, (E, 2, K, D), kv_names, kv_bias)
         q = checkpoint_name(constrain(q, ACTIVATION_BxTxHxD), "query_proj")
         k, v = (checkpoint_name(kv[:, :, i], n) for i, n in ((0, "key_proj"), (1, "value_proj")))
         return q, k, v
+
+    def _projection(self, x_BxTxE, name: str, equation: str, shape, names, bias) -> jax.Array:
+        """``x @ kernel`` (+ bias, + LoRA's term) of the kernel ``name`` (`_dense`)."""
+        kernel = _kernel(self, name, 0.02, shape, names)
+        y = _dense(self, x_BxTxE, kernel, equation, bias, names)
+        return _adapted(self, name, equation, x_BxTxE, y, shape, names)
+
+
+def by_layer_kind(local: Any, local_fn: Any, global_fn: Any) -> Any:
+    """``local_fn()`` in a sliding-window layer, ``global_fn()`` in a global one.
+
+    ``local`` is a Python bool where the layers are unrolled (or None: a global layer),
+    and traced under a scan over layers of both kinds (each layer's flag a row of the
+    scan's input): `jax.lax.cond` then runs the one branch of the layer's kind, each
+    branch compiled once for every layer.
+
+    >>> by_layer_kind(None, lambda: "local", lambda: "global")
+    'global'
+    >>> int(jax.jit(lambda x: by_layer_kind(x, lambda: 1, lambda: 2))(jnp.bool_(True)))
+    1
+    """
+    if local is None or isinstance(local, (bool, np.bool_)):
+        return local_fn() if local else global_fn()
+    return jax.lax.cond(local, local_fn, global_fn)
+
+
+def head_norms(module: SelfAttention, q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array):
+    """Queries and keys each normalised over a head's width by a norm of their own
+    (``q_norm``, ``k_norm``: one scale ``[head_dim]`` shared by the heads), of the kind
+    and epsilon of the block's norms: Qwen3's ``q_norm``/``k_norm``."""
+    kind, eps, dtype = module.norm, module.norm_eps, module.dtype
+    q_BxTxHxD = make_norm(kind, eps, dtype, "q_norm", axis=KV)(q_BxTxHxD)
+    k_BxTxKxD = make_norm(kind, eps, dtype, "k_norm", axis=KV)(k_BxTxKxD)
+    return q_BxTxHxD, k_BxTxKxD
 
 
 def _dense(module, x_BxTxE, kernel, equation: str, bias: tuple | None, names: tuple):
@@ -297,6 +440,7 @@ class FeedForward(nn.Module):
     out_stddev: float
     use_bias: bool
     dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
@@ -307,12 +451,15 @@ class FeedForward(nn.Module):
 
 
 class GatedFeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020; Llama's MLP): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU (Shazeer 2020; Llama's MLP): ``down(silu(gate(x)) * up(x))``; with
+    ``activation=nn.gelu`` (its tanh approximation) GeGLU, Gemma's MLP."""
 
     mlp_dim: int
     out_stddev: float
     use_bias: bool
     dtype: Any
+    lora: Any = None
+    activation: Any = nn.silu
 
     @nn.compact
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
@@ -325,19 +472,32 @@ class GatedFeedForward(nn.Module):
             for n in ("gate", "up")
         )  # fmt: skip
         down = _mlp_dense(self, x_BxTxE.shape[-1], self.out_stddev, (MLP, EMBED), "down")
-        return checkpoint_name(down(nn.silu(gate) * up), "mlpwo")
+        return checkpoint_name(down(self.activation(gate) * up), "mlpwo")
 
 
-def _mlp_dense(module, features: int, stddev: float, names, name: str) -> nn.Dense:
-    return nn.Dense(
-        features,
-        dot_general=functools.partial(_matmul, names=names),
-        use_bias=module.use_bias,
-        dtype=module.dtype,
-        kernel_init=normal(stddev, names),
-        bias_init=zeros(names[1:]),
-        name=name,
-    )
+def _mlp_dense(module, features: int, stddev: float, names, name: str) -> Dense:
+    return Dense(features, stddev, names, module.use_bias, module.dtype, module.lora, name=name)
+
+
+class Dense(nn.Module):
+    """``x @ kernel + bias`` over the last axis, with `nn.Dense`'s parameters (``kernel``
+    ``[in, features]``, ``bias``), the kernel gathered for the product where large
+    (`_gathered`) and LoRA's term where ``lora`` gives it an adapter."""
+
+    features: int
+    stddev: float
+    names: tuple
+    use_bias: bool
+    dtype: Any
+    lora: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape, equation = (x.shape[-1], self.features), "...i,io->...o"
+        kernel = _kernel(self, "kernel", self.stddev, shape, self.names)
+        bias = ("bias", self.names[1:]) if self.use_bias else None
+        y = _dense(self, x, kernel, equation, bias, self.names)
+        return _adapted(self, "kernel", equation, x, y, shape, self.names)
 
 
 # ------------------------------------------------------- gathering kernels for a product
@@ -413,10 +573,3 @@ def _product(equation: str, x: jax.Array, kernel: jax.Array, names: tuple) -> ja
     """``einsum(equation, x, kernel)`` (`_gathered`)."""
     product = functools.partial(jnp.einsum, equation)
     return _gathered(product, x, kernel, jax.eval_shape(product, x, kernel), names)
-
-
-def _matmul(x, kernel, dimension_numbers, names: tuple, **kwargs):
-    """`nn.Dense`'s ``dot_general`` (`_gathered`)."""
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], kernel.shape[-1]), x.dtype)
-    product = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers, **kwargs)
-    return _gathered(product, x, kernel, out, names)

@@ -28,10 +28,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
-from flax.linen.dtypes import promote_dtype
+import numpy as np
 
-from experiments.lm import kv_cache
+from experiments.lm import key_checks, kv_cache, lora
 from experiments.lm.layers import (  # noqa: F401  (apply_rotary: part of this module's API)
     EMBED,
     MLP_ACTIVATIONS,
@@ -46,9 +45,15 @@ from experiments.lm.layers import (  # noqa: F401  (apply_rotary: part of this m
     make_norm,
     normal,
 )
+from experiments.lm.logits import (  # noqa: F401  (part of this module's API, as before)
+    Head,
+    chunked_token_nats,
+    project,
+    token_nats,
+    token_outputs,
+)
 from replicator.attention import kernels as attention_lib
 from replicator.attention.context import (
-    STRATEGIES,
     context_positions,
     context_size,
     gather_sequence,
@@ -58,7 +63,7 @@ from replicator.attention.context import (
     split_sequence,
 )
 from replicator.parallel.activations import constrain
-from replicator.parallel.moe import MoEFeedForward, resolve_routing
+from replicator.parallel.moe import MoEFeedForward
 from replicator.parallel.pipelining import pipeline, stage_count
 from replicator.step import remat as remat_lib
 
@@ -99,14 +104,25 @@ class Block(nn.Module):
     qkv_bias: bool | None = None
     rope_theta: float = 10_000.0
     rope_scaling: tuple | None = None
+    lora: Any = None  # the projections' adapters: `experiments.lm.lora.LoraSpec`
+    post_norms: bool = False
+    attn_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    qk_norm: bool = False
+    moe_balance_pooled: bool = False
 
     @nn.compact
     def __call__(
         self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None,
-        cache: Any = None, cache_at: Any = None,
+        cache: Any = None, cache_at: Any = None, local: Any = None,
     ) -> Any:  # fmt: skip
         """Decoding, ``cache`` is this layer's ``(k, v)`` and ``cache_at`` ``(index,
-        mask)`` (`experiments.lm.kv_cache`); the block then returns ``(x, new (k, v))``."""
+        mask[, window mask])`` (`experiments.lm.kv_cache`); the block then returns ``(x,
+        new (k, v))``. ``local``: whether this layer attends within ``sliding_window``
+        (`experiments.lm.layers.by_layer_kind`). With ``post_norms`` each branch's
+        output is normed too before it is added (Gemma 2 and 3)."""
         dropout = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)
         decoding = {} if cache is None else {"cache": (cache, cache_at)}
         h = make_norm(self.norm, self.norm_eps, self.dtype, "ln_attention")(x_BxTxE)
@@ -116,12 +132,17 @@ class Block(nn.Module):
             dtype=self.dtype, context_strategy=self.context_strategy,
             context_load_balance=self.context_load_balance, num_kv_heads=self.num_kv_heads,
             qkv_bias=self.qkv_bias, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            name="attention",
-        )(h, positions, segment_ids, **decoding)  # fmt: skip
+            lora=self.lora, attn_logit_softcap=self.attn_logit_softcap,
+            query_pre_attn_scalar=self.query_pre_attn_scalar, sliding_window=self.sliding_window,
+            rope_local_theta=self.rope_local_theta, qk_norm=self.qk_norm, norm=self.norm,
+            norm_eps=self.norm_eps, name="attention",
+        )(h, positions, segment_ids, local=local, **decoding)  # fmt: skip
         h, new_kv = h if decoding else (h, None)
+        h = self._post_norm(h, "ln_post_attention")
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         h = make_norm(self.norm, self.norm_eps, self.dtype, "ln_mlp")(x_BxTxE)
-        swiglu = self.mlp_activation == "swiglu"
+        gated = self.mlp_activation in ("swiglu", "geglu")
+        gate = nn.silu if self.mlp_activation == "swiglu" else nn.gelu  # tanh GELU
         if self.num_experts:
             # Load-balanced tokens are stored out of order: capacity queues follow
             # their positions, so the tokens that drop are those one device drops.
@@ -132,24 +153,45 @@ class Block(nn.Module):
                 if self.context_load_balance and cp > 1
                 else None
             )
+            moe_in = h
             h, aux = MoEFeedForward(
                 self.num_experts, self.experts_per_token, self.mlp_dim,
-                self.expert_capacity_factor, gated=swiglu,
-                activation=nn.silu if swiglu else nn.gelu, routing=self.expert_routing, name="moe",
+                self.expert_capacity_factor, gated=gated,
+                activation=gate, routing=self.expert_routing, name="moe",
             )(h, token_order=order)  # fmt: skip
             self.sow("intermediates", "moe_aux", aux)
+            if self.moe_balance_pooled and self.is_mutable_collection("intermediates"):
+                self._sow_router_logits(moe_in)
         else:
-            mlp = GatedFeedForward if swiglu else FeedForward
-            h = mlp(self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, name="mlp")(h)
+            mlp_args = (self.mlp_dim, self.out_stddev, self.use_bias, self.dtype, self.lora)
+            if gated:
+                h = GatedFeedForward(*mlp_args, activation=gate, name="mlp")(h)
+            else:
+                h = FeedForward(*mlp_args, name="mlp")(h)
+        h = self._post_norm(h, "ln_post_mlp")
         x_BxTxE = constrain(x_BxTxE + dropout(h), ACTIVATION_BxTxE)
         if self.scanned:
             return x_BxTxE, new_kv  # new_kv: the scan's per-layer output
         return x_BxTxE if new_kv is None else (x_BxTxE, new_kv)
 
+    def _sow_router_logits(self, h_BxTxE: jax.Array) -> None:
+        """The router's logits (as `rp.moe` computes them, in float32), sown for a
+        balancing loss over every layer's routing pooled (``moe_balance_pooled``)."""
+        router = nn.meta.unbox(self.variables["params"]["moe"]["router"])
+        logits = jnp.einsum("bsd,de->bse", h_BxTxE.astype(jnp.float32), router.astype(jnp.float32))
+        self.sow("intermediates", "router_logits", logits)
+
+    def _post_norm(self, h_BxTxE: jax.Array, name: str) -> jax.Array:
+        """``h`` normed (``post_norms``: Gemma's norm of each branch's output), else as is."""
+        if not self.post_norms:
+            return h_BxTxE
+        return make_norm(self.norm, self.norm_eps, self.dtype, name)(h_BxTxE)
+
 
 class BlockGroup(nn.Module):
     """``every`` blocks in a row, the last a mixture of experts (``block_<i>``): what
-    ``nn.scan`` stacks when only every ``moe_every``-th block is one."""
+    ``nn.scan`` stacks when only every ``moe_every``-th block is one. Decoding,
+    ``cache`` is the group's ``(k, v)``, ``[every, ...]``, and it returns the new ones."""
 
     every: int
     block: Any
@@ -157,67 +199,26 @@ class BlockGroup(nn.Module):
     scanned: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None):
+    def __call__(
+        self, x_BxTxE: jax.Array, positions: Any = None, segment_ids: Any = None,
+        cache: Any = None, cache_at: Any = None,
+    ) -> Any:  # fmt: skip
         kwargs = dict(self.kwargs)
         num_experts = kwargs.pop("num_experts")
+        new = []
         for i in range(self.every):
             moe = num_experts if i == self.every - 1 else None
             block = self.block(**kwargs, num_experts=moe, name=f"block_{i}")
-            x_BxTxE = block(x_BxTxE, positions, segment_ids)
-        return (x_BxTxE, None) if self.scanned else x_BxTxE
-
-
-class Head(nn.Module):
-    """The output projection's kernel ``[embed, vocab]`` when embeddings are not tied:
-    `nn.Dense`'s ``head/kernel`` parameter (no bias), reachable as ``self.kernel``
-    so that the logits can be made whole or in chunks (`project`)."""
-
-    features: int
-    in_features: int
-
-    def setup(self):
-        init = normal(0.02, (EMBED, VOCAB))
-        self.kernel = self.param("kernel", init, (self.in_features, self.features))
-
-
-def project(x_BxTxE: jax.Array, kernel_ExV: jax.Array, dtype: Any = None) -> jax.Array:
-    """``x @ kernel`` in ``dtype`` (promoted as flax layers promote): the logits."""
-    x_BxTxE, kernel_ExV = promote_dtype(x_BxTxE, kernel_ExV, dtype=dtype)
-    return jax.lax.dot_general(x_BxTxE, kernel_ExV, (((x_BxTxE.ndim - 1,), (0,)), ((), ())))
-
-
-def token_nats(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Per-token cross-entropy ``[B, T]`` in nats, computed in float32 (or wider)."""
-    logits_BxTxV = logits_BxTxV.astype(jnp.promote_types(logits_BxTxV.dtype, jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-
-
-def chunked_token_nats(
-    x_BxTxE: jax.Array, targets_BxT: jax.Array, logits_fn: Any, chunk: int
-) -> jax.Array:
-    """`token_nats` of ``logits_fn(x)``, ``chunk`` positions of the sequence at a time.
-
-    Each chunk's logits are made, reduced to nats and dropped, and made again in
-    the backward pass (``jax.checkpoint``): the ``[batch, time, vocab]`` logits,
-    and their float32 copy, never exist at once. The same numbers as computing
-    them whole, for a fraction of the memory when the vocabulary is large.
-    """
-
-    @jax.checkpoint
-    def nats(x, targets):
-        return token_nats(logits_fn(x), targets)
-
-    # A loop (lax.map), so that the chunks run one after another, the backward
-    # pass's too; unrolled, XLA may keep every chunk's logits alive at once.
-    batch, length = targets_BxT.shape
-    whole = length - length % chunk
-    x_NxBxCxE = jnp.moveaxis(x_BxTxE[:, :whole].reshape(batch, -1, chunk, x_BxTxE.shape[-1]), 1, 0)
-    targets_NxBxC = jnp.moveaxis(targets_BxT[:, :whole].reshape(batch, -1, chunk), 1, 0)
-    nats_NxBxC = jax.lax.map(lambda pair: nats(*pair), (x_NxBxCxE, targets_NxBxC))
-    pieces = [jnp.moveaxis(nats_NxBxC, 0, 1).reshape(batch, whole)]
-    if whole < length:  # the rest, shorter than a chunk
-        pieces.append(nats(x_BxTxE[:, whole:], targets_BxT[:, whole:]))
-    return jnp.concatenate(pieces, axis=1)
+            if cache is None:
+                x_BxTxE = block(x_BxTxE, positions, segment_ids)
+                continue
+            layer_cache = (cache[0][i], cache[1][i])
+            x_BxTxE, kv = block(x_BxTxE, positions, segment_ids, layer_cache, cache_at)
+            new.append(kv)
+        new_kv = jax.tree.map(lambda *kvs: jnp.stack(kvs), *new) if new else None
+        if self.scanned:
+            return x_BxTxE, new_kv
+        return x_BxTxE if new_kv is None else (x_BxTxE, new_kv)
 
 
 class Transformer(nn.Module):
@@ -268,6 +269,32 @@ class Transformer(nn.Module):
         ``original_max_position_embeddings`` (`experiments.lm.layers.rope_frequencies`).
       qkv_bias: biases on the q/k/v projections; None follows ``use_bias`` (Qwen2:
         True with ``use_bias=False``, which then covers the output projection and MLP).
+      qk_norm: queries and keys normalised over each head's width (a norm of kind
+        ``norm`` each, ``q_norm``/``k_norm``) before the rotary embedding (Qwen3).
+      moe_balance_weight, moe_z_loss_weight: the weights of a mixture of experts'
+        load-balancing loss and router z-loss in the training loss, means over the MoE
+        layers (`replicator.parallel.moe.MoEAux`); an import sets them as its family
+        defines its router loss (`experiments.lm.hf_qwen3_moe`).
+      moe_balance_pooled: the load-balancing loss of every MoE layer's routing pooled
+        before the product (transformers' ``load_balancing_loss_func``), not each
+        layer's loss averaged; the layers' router logits are kept for it.
+      embed_scale: the token embeddings times ``sqrt(embed_dim)``, rounded to the compute
+        dtype (Gemma's; the tied head uses them unscaled).
+      post_norms: each branch's output normed before it is added (``ln_post_attention``,
+        ``ln_post_mlp``: Gemma 2 and 3's norms before and after each branch).
+      attn_logit_softcap, final_logit_softcap: None, or the attention scores and the
+        logits soft-capped, ``cap * tanh(x / cap)`` (Gemma 2: 50 and 30).
+      query_pre_attn_scalar: the attention scores scaled by its ``-1/2`` power (Gemma's);
+        None: ``head_dim``'s.
+      sliding_window: None, or the local layers attend to their own position and the
+        ``sliding_window - 1`` before it (`local_layers` says which layers are local).
+      sliding_window_pattern: with ``sliding_window``, every ``n``-th layer is global, the
+        others local (Gemma 2: 2, Gemma 3: 6); None: every layer local (Mistral's window).
+      rope_local_theta: the local layers' rotary base, unscaled (Gemma 3: 10,000); None:
+        ``rope_theta`` and ``rope_scaling`` in every layer.
+      lora_rank, lora_alpha, lora_dropout, lora_targets, lora_quantize: LoRA adapters of
+        rank ``lora_rank`` (0: none) on the projection kernels whose paths
+        ``lora_targets`` finds, QLoRA's storage of those kernels (`experiments.lm.lora`).
       dtype: compute dtype; None (the default) computes in the dtype of the
         parameters, which is how replicator's precision policy sets it.
 
@@ -311,9 +338,26 @@ class Transformer(nn.Module):
     rope_theta: float = 10_000.0
     rope_scaling: Any = None
     qkv_bias: bool | None = None
+    qk_norm: bool = False
+    moe_balance_weight: float = 1e-2  # Switch's load balancing
+    moe_z_loss_weight: float = 1e-3  # ST-MoE's router z-loss
+    moe_balance_pooled: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = r"(attention|mlp)/.*kernel"
+    lora_quantize: str | None = None
+    embed_scale: bool = False
+    post_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    sliding_window_pattern: int | None = None
+    rope_local_theta: float | None = None
     dtype: Any = None
 
-    def _blocks(self, x_BxTxE: jax.Array, train: bool, *per_token: Any) -> jax.Array:
+    def _blocks(self, x_BxTxE: jax.Array, train: bool, adapters: bool, *per_token: Any):
         """The ``num_layers`` blocks, scanned or unrolled, rematerialised by the policy;
         ``per_token``: the blocks' ``positions`` and ``segment_ids`` (or None)."""
         block = Block
@@ -321,39 +365,53 @@ class Transformer(nn.Module):
             policy = remat_lib.checkpoint_policy(self.remat_policy)
             # Under scan the loop keeps XLA from merging recomputation away (CSE).
             block = nn.remat(Block, policy=policy, prevent_cse=not self.scan_layers)
-        kwargs = _block_kwargs(self, train)
+        kwargs = _block_kwargs(self, train, adapters)
         every = self.moe_every if self.num_experts else 1
+        local_L = local_layers(self)
         if not self.scan_layers:
             experts = kwargs.pop("num_experts")
             for i in range(self.num_layers):
                 moe = experts if (i + 1) % every == 0 else None
-                x_BxTxE = block(**kwargs, num_experts=moe, name=f"block_{i}")(x_BxTxE, *per_token)
+                kind = () if local_L is None else (None, None, bool(local_L[i]))
+                layer = block(**kwargs, num_experts=moe, name=f"block_{i}")
+                x_BxTxE = layer(x_BxTxE, *per_token, *kind)
             return x_BxTxE
         if self.num_experts:  # scanned in groups of `every` blocks, the last one MoE
             scanned, kwargs = BlockGroup, dict(every=every, block=block, kwargs=kwargs)
         else:
             scanned = block
+        # Every layer sees the same positions; with a sliding window each its own kind
+        # (a row of local_L; after the two cache arguments, None here).
+        in_axes, kinds = (nn.broadcast, nn.broadcast), ()
+        if local_L is not None:
+            in_axes += (nn.broadcast, nn.broadcast, 0)
+            kinds = (None, None, jnp.asarray(local_L))
         stack = nn.scan(
             scanned,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast, nn.broadcast),  # every layer sees the same positions
+            in_axes=in_axes,
             length=self.num_layers // every,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         blocks = stack(**kwargs, scanned=True, name="blocks")
         if self.is_initializing() or stage_count() == 1:
-            x_BxTxE, _ = blocks(x_BxTxE, *per_token)
+            x_BxTxE, _ = blocks(x_BxTxE, *per_token, *kinds)
             return x_BxTxE
         # Over a "stage" axis: the same stacked parameters, one block per layer_fn call.
         if self.num_experts:
             raise ValueError("A pipeline does not run mixture-of-experts blocks: num_experts=0.")
-        if self.dropout_rate and train:
+        if (self.dropout_rate or self.lora_rank and self.lora_dropout) and train:
             raise ValueError("A pipeline does not run dropout yet: set dropout_rate=0.")
         if any(x is not None for x in per_token):
             raise ValueError(
                 "A pipeline does not pass per-token positions or segment ids to its stages "
                 "yet: drop the 'stage' mesh axis or pack_documents."
+            )
+        if local_L is not None:
+            raise ValueError(
+                "A pipeline does not pass the layers' kinds (sliding_window) to its stages "
+                "yet: drop the 'stage' mesh axis."
             )
         stacked = nn.meta.unbox(self.variables["params"]["blocks"])
 
@@ -368,29 +426,59 @@ class Transformer(nn.Module):
             repeats=self.pipeline_repeats,
         )
 
-    def _decode_blocks(self, x_BxTxE: jax.Array, positions_BxT: Any, cache: kv_cache.KVCache):
+    def _decode_blocks(self, x_BxTxE, positions_BxT, cache: kv_cache.KVCache, adapters: bool):
         """The blocks over a `kv_cache.KVCache`, scanned or unrolled as the parameters are
         laid out, each layer reading its slice of the cache; the output and every
-        layer's new keys and values, ``[layers, batch, time, kv_heads, head_dim]``."""
-        kwargs = _block_kwargs(self, train=False)
-        at = (cache.index, kv_cache.attention_mask(cache, x_BxTxE.shape[1]))
+        layer's new keys and values, ``[layers, batch, time, kv_heads, head_dim]``.
+        Mixtures of experts decode dropless (no capacity), as a dropless full forward."""
+        kwargs = _block_kwargs(self, train=False, adapters=adapters)
+        kwargs["expert_capacity_factor"] = None
+        length, local_L = x_BxTxE.shape[1], local_layers(self)
+        every, L = (self.moe_every if self.num_experts else 1), self.num_layers
+        at = (cache.index, kv_cache.attention_mask(cache, length))
+        if local_L is not None:  # the local layers' mask beside it
+            at += (kv_cache.attention_mask(cache, length, self.sliding_window),)
         if not self.scan_layers:
-            new = []
-            for i in range(self.num_layers):
-                layer = Block(**kwargs, name=f"block_{i}")
-                x_BxTxE, kv = layer(x_BxTxE, positions_BxT, None, (cache.k[i], cache.v[i]), at)
+            experts, new = kwargs.pop("num_experts"), []
+            for i in range(L):
+                moe = experts if (i + 1) % every == 0 else None
+                layer = Block(**kwargs, num_experts=moe, name=f"block_{i}")
+                kind = () if local_L is None else (bool(local_L[i]),)
+                kv_i = (cache.k[i], cache.v[i])
+                x_BxTxE, kv = layer(x_BxTxE, positions_BxT, None, kv_i, at, *kind)
                 new.append(kv)
             return x_BxTxE, jax.tree.map(lambda *layers: jnp.stack(layers), *new)
+        kinds = () if local_L is None else (jnp.asarray(local_L),)
+        scanned, kv = Block, (cache.k, cache.v)
+        if self.num_experts:  # groups of `every` layers, as `_blocks` stacks them
+            scanned, kwargs = BlockGroup, dict(every=every, block=Block, kwargs=kwargs)
+            kv = tuple(c.reshape(L // every, every, *c.shape[1:]) for c in kv)
         stack = nn.scan(
-            Block,
+            scanned,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),  # the cache by layer
-            length=self.num_layers,
+            # the cache (and each layer's kind) by layer
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast) + (0,) * len(kinds),
+            length=L // every,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         blocks = stack(**kwargs, scanned=True, name="blocks")
-        return blocks(x_BxTxE, positions_BxT, None, (cache.k, cache.v), at)
+        x_BxTxE, new_kv = blocks(x_BxTxE, positions_BxT, None, kv, at, *kinds)
+        if self.num_experts:  # [layers / every, every, ...] -> [layers, ...]
+            new_kv = jax.tree.map(lambda c: c.reshape(L, *c.shape[2:]), new_kv)
+        return x_BxTxE, new_kv
+
+    def _logits_fn(self, embed: nn.Embed) -> Any:
+        """Final hidden states -> logits: by the tied embedding or the head (`Head`),
+        soft-capped by ``final_logit_softcap``."""
+        if self.tie_embeddings:
+            kernel_ExV = embed.embedding.T
+        else:
+            kernel_ExV = Head(self.vocab_size, self.embed_dim, name="head").kernel
+        logits_fn = functools.partial(project, kernel_ExV=kernel_ExV, dtype=self.dtype)
+        if self.final_logit_softcap is not None:
+            logits_fn = functools.partial(softcapped, logits_fn, cap=self.final_logit_softcap)
+        return logits_fn
 
     def __post_init__(self):
         if self.head_dim is None and self.embed_dim % self.num_heads:
@@ -404,8 +492,11 @@ class Transformer(nn.Module):
                 f"attention={self.attention!r}: use one of {ATTENTION_IMPLEMENTATIONS}."
             )
         remat_lib.check_policy(self.remat_policy)
-        _check_block_keys(self)
-        _check_parallel_keys(self)
+        key_checks.check_block_keys(self)
+        key_checks.check_gemma_keys(self)
+        key_checks.check_parallel_keys(self)
+        if lora.key_problems(self):
+            raise ValueError(lora.key_problems(self)[0] + ".")
         if self.pipeline_microbatches is not None or self.pipeline_repeats != 1:
             if not self.scan_layers:
                 raise ValueError("A pipeline runs the stacked blocks: keep scan_layers=True.")
@@ -421,6 +512,7 @@ class Transformer(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         cache: kv_cache.KVCache | None = None,
+        adapters: bool = True,
     ) -> Any:
         """The logits ``[batch, time, vocab]``; with ``targets`` ``[batch, time]``, the
         per-token cross-entropy in nats instead (chunked by ``loss_chunk``).
@@ -432,9 +524,10 @@ class Transformer(nn.Module):
 
         Decoding (`experiments.lm.sample`), ``cache`` is a `kv_cache.KVCache`: the
         tokens continue it (each row's positions count from its own start), and the
-        call returns ``(logits, the cache with their keys and values)``."""
+        call returns ``(logits, the cache with their keys and values)``. ``adapters=False``
+        computes the base model, LoRA's adapters left out (`experiments.lm.lora`)."""
         length = tokens_BxT.shape[1]
-        check_length(length, self.max_len)
+        key_checks.check_length(length, self.max_len)
         if cache is not None:
             positions = kv_cache.positions(cache, length)
         # Load balancing over "context": the sequence reordered once, here, so that each
@@ -461,6 +554,8 @@ class Transformer(nn.Module):
             name="token_embedding",
         )
         x_BxTxE = embed(tokens_BxT)
+        if self.embed_scale:  # in the compute dtype, as Gemma rounds it
+            x_BxTxE = x_BxTxE * jnp.asarray(math.sqrt(self.embed_dim), x_BxTxE.dtype)
         if self.positions == "learned":
             table = self.param(
                 "position_embedding",
@@ -474,15 +569,11 @@ class Transformer(nn.Module):
         x_BxTxE = nn.Dropout(self.dropout_rate, deterministic=not train)(x_BxTxE)
 
         if cache is None:
-            x_BxTxE = self._blocks(x_BxTxE, train, positions_BxT, segment_ids)
+            x_BxTxE = self._blocks(x_BxTxE, train, adapters, positions_BxT, segment_ids)
         else:
-            x_BxTxE, new_kv = self._decode_blocks(x_BxTxE, positions_BxT, cache)
+            x_BxTxE, new_kv = self._decode_blocks(x_BxTxE, positions_BxT, cache, adapters)
         x_BxTxE = make_norm(self.norm, self.norm_eps, self.dtype, "ln_final")(x_BxTxE)
-        if self.tie_embeddings:
-            logits_fn = functools.partial(project, kernel_ExV=embed.embedding.T, dtype=self.dtype)
-        else:
-            head = Head(self.vocab_size, self.embed_dim, name="head")
-            logits_fn = functools.partial(project, kernel_ExV=head.kernel, dtype=self.dtype)
+        logits_fn = self._logits_fn(embed)
         if cache is not None:
             return logits_fn(x_BxTxE), kv_cache.write(cache, *new_kv)
         out = token_outputs(x_BxTxE, targets, logits_fn, self.loss_chunk)
@@ -490,30 +581,36 @@ class Transformer(nn.Module):
         return restore_order(out, cp) if balanced else out
 
 
-def token_outputs(
-    x_BxTxE: jax.Array, targets_BxT: jax.Array | None, logits_fn: Any, loss_chunk: int | None
-) -> jax.Array:
-    """What the model returns for each token of the final hidden states ``x_BxTxE``.
+def softcapped(logits_fn: Any, x_BxTxE: jax.Array, *, cap: float) -> jax.Array:
+    """``cap * tanh(logits_fn(x) / cap)``: logits soft-capped (Gemma 2's final logits).
 
-    Args:
-      x_BxTxE: the hidden states after the final norm.
-      targets_BxT: the next tokens, or None.
-      logits_fn: hidden states -> logits (the head, or the tied embedding).
-      loss_chunk: with targets, compute the logits this many positions at a time
-        (`chunked_token_nats`); None, 0 or the whole sequence: all at once.
-
-    Returns:
-      The logits ``[batch, time, vocab]``, or with targets the per-token
-      cross-entropy in nats ``[batch, time]``.
+    >>> float(softcapped(lambda x: x, jnp.float32(1e6), cap=30.0))
+    30.0
     """
-    if targets_BxT is None:
-        return logits_fn(x_BxTxE)
-    if not loss_chunk or loss_chunk >= x_BxTxE.shape[1]:
-        return token_nats(logits_fn(x_BxTxE), targets_BxT)
-    return chunked_token_nats(x_BxTxE, targets_BxT, logits_fn, loss_chunk)
+    logits = logits_fn(x_BxTxE)
+    return (cap * jnp.tanh(logits / cap)).astype(logits.dtype)
 
 
-def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
+def layer_is_local(layer: int, every: int | None) -> bool:
+    """Whether ``layer`` (from 0) attends within the sliding window when every
+    ``every``-th layer is global (None: none is): Gemma 2's pattern 2, Gemma 3's 6.
+
+    >>> [layer_is_local(i, 6) for i in range(7)]
+    [True, True, True, True, True, False, True]
+    """
+    return every is None or (layer + 1) % every != 0
+
+
+def local_layers(model: Transformer) -> np.ndarray | None:
+    """bool ``[num_layers]``: which layers attend within ``sliding_window`` (None: the
+    model has no window, every layer global)."""
+    if model.sliding_window is None:
+        return None
+    every = model.sliding_window_pattern
+    return np.array([layer_is_local(i, every) for i in range(model.num_layers)])
+
+
+def _block_kwargs(model: Transformer, train: bool, adapters: bool = True) -> dict[str, Any]:
     scaling = model.rope_scaling
     return dict(
         num_heads=model.num_heads,
@@ -537,65 +634,18 @@ def _block_kwargs(model: Transformer, train: bool) -> dict[str, Any]:
         mlp_activation=model.mlp_activation,
         num_kv_heads=model.num_kv_heads,
         qkv_bias=model.qkv_bias,
+        qk_norm=model.qk_norm,
+        moe_balance_pooled=model.moe_balance_pooled,
         rope_theta=model.rope_theta,
         # Hashable, as a module's attributes had better be.
         rope_scaling=None if scaling is None else tuple(sorted(dict(scaling).items())),
+        lora=lora.spec_of(model, train, adapters),
+        post_norms=model.post_norms,
+        attn_logit_softcap=model.attn_logit_softcap,
+        query_pre_attn_scalar=model.query_pre_attn_scalar,
+        sliding_window=model.sliding_window,
+        rope_local_theta=model.rope_local_theta,
     )
-
-
-def _check_block_keys(model: Transformer) -> None:
-    """One-line errors for block keys (norm, MLP, heads, rotary) that cannot work."""
-    if model.norm not in NORMS:
-        raise ValueError(f"norm={model.norm!r}: use one of {NORMS}.")
-    if model.mlp_activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"mlp_activation={model.mlp_activation!r}: use one of {MLP_ACTIVATIONS}.")
-    kv = model.num_kv_heads
-    if kv is not None and (kv < 1 or model.num_heads % kv):
-        raise ValueError(
-            f"num_kv_heads={kv} must divide num_heads={model.num_heads} (each key/value head "
-            "serves num_heads / num_kv_heads query heads)."
-        )
-    if model.head_dim is not None and model.head_dim < 1:
-        raise ValueError(f"head_dim={model.head_dim} must be positive (or None).")
-    head_dim = model.head_dim or model.embed_dim // model.num_heads
-    if model.positions == "rotary" and head_dim % 2:
-        raise ValueError(f"positions='rotary' pairs a head's features: head_dim={head_dim} is odd.")
-    if model.rope_scaling is not None and model.positions != "rotary":
-        raise ValueError("rope_scaling rescales rotary positions: set positions='rotary'.")
-    check_rope_scaling(model.rope_scaling)
-
-
-def _check_parallel_keys(model: Transformer) -> None:
-    """One-line errors for context-parallel and mixture-of-experts keys that cannot work."""
-    if model.context_strategy not in STRATEGIES:
-        raise ValueError(f"context_strategy={model.context_strategy!r}: use one of {STRATEGIES}.")
-    if not model.num_experts:
-        return
-    if not 1 <= model.experts_per_token <= model.num_experts:
-        raise ValueError(
-            f"experts_per_token={model.experts_per_token} must be in [1, "
-            f"num_experts={model.num_experts}]."
-        )
-    resolve_routing(model.expert_routing, model.experts_per_token, key="expert_routing")
-    if model.moe_every < 1 or model.num_layers % model.moe_every:
-        raise ValueError(
-            f"moe_every={model.moe_every}: every moe_every-th block is a mixture of experts, "
-            f"so num_layers={model.num_layers} must divide by it."
-        )
-    if model.pipeline_microbatches is not None or model.pipeline_repeats != 1:
-        raise ValueError("A pipeline does not run mixture-of-experts blocks: num_experts=0.")
-
-
-def check_length(length: int, max_len: int) -> None:
-    """Raises a one-line error for a sequence longer than the model's context.
-
-    >>> check_length(2048, 1024)
-    Traceback (most recent call last):
-    ...
-    ValueError: Sequence length 2048 is above the model's max_len 1024.
-    """
-    if length > max_len:
-        raise ValueError(f"Sequence length {length} is above the model's max_len {max_len}.")
 
 
 def count_params(params: Any) -> int:

@@ -515,8 +515,6 @@ def make_sampler(settings: Any, tokenizer: str | None = "bytes") -> TextSampler:
     if settings.repl.mesh.shape.get("context", 1) > 1:
         raise ConfigError("sample splits no sequence: give a mesh without a 'context' axis")
     network = make_model(settings.model, None)
-    if network.num_experts:
-        raise ConfigError("sample does not decode mixture-of-experts models yet (num_experts)")
     loaded = None if tokenizer is None else _load_tokenizer(tokenizer)
     vocab = getattr(loaded, "vocab_size", None)
     if vocab is not None and vocab > network.vocab_size:

@@ -98,6 +98,7 @@ from replicator.spmd.context import vary
 CONTEXT_AXIS = "context"
 STRATEGIES = ("gather", "ring")
 CHUNK = blocks.CHUNK  # XLA's blocks: positions of queries and keys per block of scores
+_UNSPLIT = "the context strategies do not compute them yet; drop the axis (or set it to 1)"
 
 
 def context_attention(
@@ -111,6 +112,8 @@ def context_attention(
     implementation: str = "auto",
     chunk: int = CHUNK,
     segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal multi-head attention of a sequence split over the mesh axis ``axis``.
 
@@ -135,18 +138,18 @@ def context_attention(
         block's where it is (`replicator.attention.blocks.choose_kernel`: ``"auto"``
         is splash on TPU in the global view, XLA's elsewhere; ``"cudnn"`` is XLA's).
       chunk: XLA's blocks take queries and keys this many positions at a time (the
-        largest number up to it that divides a block): a device holds one
-        ``[batch, chunk, heads, chunk]`` block of float32 scores at a time.
+        largest up to it dividing a block): one ``[batch, chunk, heads, chunk]`` of scores.
       segment_ids: None, or int32 ``[batch, time]``, aligned and split like ``q``
         (packed documents): a query attends only to keys of its own id. The key
         blocks' ids travel with them (gathered, or round the ring).
+      window, softcap: `causal_attention`'s, where ``axis`` is of size 1 only (as yet).
 
     Returns:
       The attention output, shaped and split like ``q``, in ``q``'s dtype.
 
     Raises:
-      ConfigError: a length that does not split into ``CP`` blocks (``2 * CP``
-        chunks when load balanced); one line.
+      ConfigError: a length that does not split into ``CP`` blocks (``2 * CP`` when
+        load balanced), or a window or soft cap over a split sequence; one line.
       ValueError: an unknown strategy or kernel, mismatched shapes, or splash asked
         for where it cannot run; one line.
 
@@ -155,12 +158,12 @@ def context_attention(
     >>> bool(jnp.allclose(y, attention_lib.causal_attention(x, x, x)))
     True
     """
-    _check_inputs(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, strategy, segment_ids)
+    _check_inputs(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, strategy, segment_ids, window, softcap, axis)
     cp = context_size(axis)
     if cp == 1:
         return attention_lib.causal_attention(
             q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, implementation=implementation,
-            segment_ids=segment_ids,
+            segment_ids=segment_ids, window=window, softcap=softcap,
         )  # fmt: skip
     args = (q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
     if segment_ids is not None:  # an optional fourth argument all the way down
@@ -664,7 +667,9 @@ def _split_here(x, axis: str) -> bool:
     )
 
 
-def _check_inputs(q, k, v, strategy: str, segment_ids) -> None:
+def _check_inputs(q, k, v, strategy: str, segment_ids, window, softcap, axis: str) -> None:
+    if (window is not None or softcap is not None) and context_size(axis) > 1:
+        raise ConfigError(f"a sliding window or soft cap over mesh axis {axis!r}: {_UNSPLIT}")
     if segment_ids is not None and tuple(jnp.shape(segment_ids)) != tuple(q.shape[:2]):
         raise ValueError(
             f"context_attention: segment_ids {jnp.shape(segment_ids)}: expected [batch, time] "

@@ -5,19 +5,26 @@ kernel interface, `replicator.attention.blocks`, which picks its blocks' kernel 
 same way: splash on TPU, XLA's elsewhere.)
 
 `causal_attention` is multi-head causal self-attention, ``softmax(q k^T / sqrt(D)) v``
-over ``[batch, time, heads, head_dim]`` inputs, computed by:
+over ``[batch, time, heads, head_dim]`` inputs, optionally within a sliding ``window``
+(a query sees itself and the ``window - 1`` keys before it: Mistral's and Gemma's local
+layers) and with its scores soft-capped (``softcap * tanh(score / softcap)``: Gemma 2),
+computed by:
 
 * ``"splash"``: Pallas's splash attention on TPU (the kernel MaxText uses). It
   works on blocks of the ``[time, time]`` scores in VMEM, never writes the scores
   or probabilities to HBM, and skips the blocks above the diagonal (the causal
-  half). On a CPU it runs in Pallas's interpreter: slow, but the same program,
-  so its numbers can be checked anywhere (`replicator.attention.splash`).
-* ``"cudnn"``: cuDNN's fused kernel through `jax.nn.dot_product_attention` on GPU.
-* ``"xla"``: `jax.nn.dot_product_attention`'s XLA version: any backend.
+  half; with a window, splash's local mask, the blocks left of the band too). On a
+  CPU it runs in Pallas's interpreter: slow, but the same program, so its numbers
+  can be checked anywhere (`replicator.attention.splash`).
+* ``"cudnn"``: cuDNN's fused kernel through `jax.nn.dot_product_attention` on GPU
+  (its ``local_window_size`` for a window; no soft-capping).
+* ``"xla"``: `jax.nn.dot_product_attention`'s XLA version: any backend; with
+  soft-capping, the same computation written out (`jax.nn.dot_product_attention`
+  has none), the ``[time, time]`` scores in float32.
 * ``"auto"``: splash on TPU where the sequence splits into blocks of 128 (in the
   global view: `Replicator.compile`), cuDNN on GPU for 16-bit inputs and head
   widths up to 128 in multiples of 8 (and, with segment ids, an even length),
-  XLA elsewhere.
+  XLA elsewhere (and with soft-capping, which cuDNN's has not).
   The platform is that of the mesh being compiled for (a TPU topology compiled
   from a CPU host picks splash), else JAX's default backend.
 
@@ -64,6 +71,8 @@ def causal_attention(
     *,
     implementation: str = "auto",
     segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal multi-head attention ``[batch, time, heads, head_dim]`` -> the same shape.
 
@@ -72,6 +81,10 @@ def causal_attention(
       implementation: one of `IMPLEMENTATIONS` (see the module docstring).
       segment_ids: None, or int32 ``[batch, time]``: packed documents, a query
         attending only to earlier keys of its own segment.
+      window: None (every earlier key), or a sliding window: the query at ``i`` sees
+        the keys at ``i - window + 1 .. i`` (Hugging Face's ``sliding_window``).
+      softcap: None, or the scores become ``softcap * tanh(score / softcap)`` before
+        the mask and softmax (Gemma 2's ``attn_logit_softcapping``).
 
     Returns:
       ``softmax(q k^T / sqrt(head_dim), causal) v`` in ``q``'s dtype.
@@ -86,27 +99,79 @@ def causal_attention(
     >>> alone = causal_attention(x[:, 64:], x[:, 64:], x[:, 64:], implementation="xla")
     >>> bool(jnp.allclose(apart[:, 64:], alone, atol=1e-5))
     True
+    >>> local = causal_attention(x, x, x, implementation="xla", window=64)
+    >>> bool(jnp.allclose(local[:, 64:], causal_attention(x, x, x, implementation="splash",
+    ...                                                     window=64)[:, 64:], atol=1e-5))
+    True
     """
     shape = q_BxTxHxD.shape
-    chosen = choose_implementation(implementation, q_BxTxHxD.dtype, shape, segment_ids)
+    _check_window(window, softcap)
+    chosen = choose_implementation(
+        implementation, q_BxTxHxD.dtype, shape, segment_ids, softcap=softcap
+    )
     if chosen == "splash":  # names its output and log-sum-exp "context" itself
-        return _splash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids)
+        return _splash_attention(
+            q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids, window=window, softcap=softcap
+        )
     mask = None
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
         _check_segment_ids(segment_ids, shape)
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # Bx1xTxT
+    if softcap is not None:
+        out = _capped_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask, window, softcap)
+        return checkpoint_name(out, "context")
     out = jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask=mask, is_causal=True, implementation=chosen
-    )
+        q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask=mask, is_causal=True, implementation=chosen,
+        local_window_size=None if window is None else (window - 1, 0),
+    )  # fmt: skip
     return checkpoint_name(out, "context")
 
 
+def _capped_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, mask_Bx1xTxT, window, softcap):
+    """Causal attention with soft-capped scores, written out: float32 scores and softmax."""
+    length, head_dim = q_BxTxHxD.shape[1], q_BxTxHxD.shape[-1]
+    scores = jnp.einsum(
+        "bqhd,bkhd->bhqk", q_BxTxHxD, k_BxTxHxD, preferred_element_type=jnp.float32
+    ) / math.sqrt(head_dim)  # fmt: skip
+    scores = softcap * jnp.tanh(scores / softcap)
+    seen_TxT = local_causal_mask(length, length, 0, window)
+    seen = seen_TxT if mask_Bx1xTxT is None else seen_TxT & mask_Bx1xTxT
+    weights = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v_BxTxHxD.dtype), v_BxTxHxD)
+    return out.astype(q_BxTxHxD.dtype)
+
+
+def local_causal_mask(q_len: int, k_len: int, offset: int = 0, window: int | None = None):
+    """bool ``[q_len, k_len]``: which keys each query sees, the queries starting ``offset``
+    positions after the keys: those at or before it, and within ``window`` (None: all).
+
+    >>> local_causal_mask(3, 3, window=2).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    distance = offset + jnp.arange(q_len)[:, None] - jnp.arange(k_len)[None, :]
+    seen = distance >= 0
+    return seen if window is None else seen & (distance < window)
+
+
+def _check_window(window: int | None, softcap: float | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a positive int (or None).")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}: a soft cap is positive (or None).")
+
+
 def choose_implementation(
-    requested: str, dtype: jnp.dtype, shape: tuple[int, ...], segment_ids: object = None
+    requested: str,
+    dtype: jnp.dtype,
+    shape: tuple[int, ...],
+    segment_ids: object = None,
+    *,
+    softcap: float | None = None,
 ) -> str:
     """The implementation ``"auto"`` stands for here (others are returned as they are);
-    ``segment_ids``: whether the call has them (None: it has not).
+    ``segment_ids``: whether the call has them (None: it has not); ``softcap``: whether
+    the scores are soft-capped, which cuDNN's kernel does not do.
 
     >>> choose_implementation("auto", jnp.float32, (1, 128, 2, 64))  # on CPU
     'xla'
@@ -125,6 +190,11 @@ def choose_implementation(
             "step_path='compile'): inside Replicator.run the kernel's backward pass loses "
             "track of which replica's values it holds; use attention='auto' or 'xla' there."
         )
+    if requested == "cudnn" and softcap is not None:
+        raise ValueError(
+            "attention='cudnn' has no soft-capping of the scores (attn_logit_softcap); use "
+            "attention='auto' (XLA's on GPU) or 'xla'."
+        )
     if requested != "auto":
         return requested
     platform = target_platform()
@@ -134,7 +204,8 @@ def choose_implementation(
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     # cuDNN takes segment ids as a bias, whose backward pass needs an even length.
     even = segment_ids is None or shape[1] % 2 == 0
-    if platform == "gpu" and sixteen_bit and head_dim % 8 == 0 and head_dim <= 128 and even:
+    fits = head_dim % 8 == 0 and head_dim <= 128 and even and softcap is None
+    if platform == "gpu" and sixteen_bit and fits:
         return "cudnn"
     return "xla"
 
@@ -171,6 +242,9 @@ def _splash_attention(
     k_BxTxHxD: jax.Array,
     v_BxTxHxD: jax.Array,
     segment_ids_BxT: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ):
     """Splash attention, inside ``shard_map`` over the batch and head axes the mesh
     splits automatically (none left: called directly)."""
@@ -183,7 +257,9 @@ def _splash_attention(
         _check_segment_ids(segment_ids_BxT, q_BxTxHxD.shape)
         args += (segment_ids_BxT.astype(jnp.int32),)
     interpret = jax.default_backend() != "tpu" and target_platform() != "tpu"
-    local = functools.partial(splash.whole_sequence, interpret=interpret)
+    local = functools.partial(
+        splash.whole_sequence, interpret=interpret, window=window, softcap=softcap
+    )
     auto = _auto_axes(mesh)
     if not auto:  # every axis manual already (inside run, or no mesh)
         return jnp.swapaxes(local(*args), 1, 2)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,10 @@ def block_size(*lengths: int) -> int | None:
     return next((b for b in BLOCKS if all(n % b == 0 for n in lengths)), None)
 
 
-def _kernel(q_len, k_len, heads, *, causal, offset, mqa, interpret, residuals=False):
+def _kernel(
+    q_len, k_len, heads, *, causal, offset, mqa, interpret, residuals=False, window=None,
+    softcap=None,
+):  # fmt: skip
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     bq, bk = block_size(q_len), block_size(k_len)
@@ -55,7 +59,10 @@ def _kernel(q_len, k_len, heads, *, causal, offset, mqa, interpret, residuals=Fa
         block_q_dq=bq, block_kv_dq=bk,
     )  # fmt: skip
     shape = (q_len, k_len)
-    mask = splash.CausalMask(shape, offset) if causal else splash.FullMask(shape)
+    if window is not None:  # a query sees itself and the window - 1 keys before it
+        mask = splash.LocalMask(shape, (window - 1, 0), offset)
+    else:
+        mask = splash.CausalMask(shape, offset) if causal else splash.FullMask(shape)
     make = splash.make_splash_mqa if mqa else splash.make_splash_mha
     return make(
         splash.MultiHeadMask([mask] * heads),
@@ -63,6 +70,7 @@ def _kernel(q_len, k_len, heads, *, causal, offset, mqa, interpret, residuals=Fa
         head_shards=1,
         q_seq_shards=1,
         save_residuals=residuals,
+        attn_logits_soft_cap=softcap,
         interpret=interpret,
     )
 
@@ -74,9 +82,14 @@ def whole_sequence(
     segment_ids_BxT: jax.Array | None = None,
     *,
     interpret: bool,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """One device's causal splash attention over its whole batch and heads, in ``q``'s
-    dtype; differentiable by splash's own backward kernels.
+    dtype; differentiable by splash's own backward kernels. ``window``: a sliding
+    window (splash's ``LocalMask``: a query sees itself and the ``window - 1`` keys
+    before it; the tiles left of the band are skipped too); ``softcap``: the scores
+    soft-capped, ``softcap * tanh(score / softcap)`` (splash's ``attn_logits_soft_cap``).
 
     The forward's output and log-sum-exp, all the backward needs besides ``q``, ``k``
     and ``v``, are named ``context`` (``checkpoint_name``): a remat policy that keeps
@@ -87,16 +100,25 @@ def whole_sequence(
     head_dim = q_BxHxTxD.shape[-1]
     q = q_BxHxTxD * jnp.asarray(1 / math.sqrt(head_dim), q_BxHxTxD.dtype)
     ids = None if segment_ids_BxT is None else (segment_ids_BxT, segment_ids_BxT)
-    return _attention(q, k_BxHxTxD, v_BxHxTxD, ids, interpret).astype(q_BxHxTxD.dtype)
+    options = _Options(interpret, window, softcap)
+    return _attention(q, k_BxHxTxD, v_BxHxTxD, ids, options).astype(q_BxHxTxD.dtype)
+
+
+class _Options(NamedTuple):
+    """What a whole sequence's kernel is made with (static, hashable)."""
+
+    interpret: bool
+    window: int | None = None
+    softcap: float | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, ids, interpret):
-    return _attention_fwd(q, k, v, ids, interpret)[0]
+def _attention(q, k, v, ids, options):
+    return _attention_fwd(q, k, v, ids, options)[0]
 
 
-def _attention_fwd(q, k, v, ids, interpret):
-    kernel = _whole_kernel(q, interpret, residuals=True)
+def _attention_fwd(q, k, v, ids, options):
+    kernel = _whole_kernel(q, options, residuals=True)
 
     def one(q, k, v, ids):  # one example: [H, T, D]
         out, (lse,) = kernel(q, k, v, segment_ids=ids)
@@ -107,9 +129,9 @@ def _attention_fwd(q, k, v, ids, interpret):
     return out, (q, k, v, ids, out, lse)
 
 
-def _attention_bwd(interpret, residuals, d_out):
+def _attention_bwd(options, residuals, d_out):
     q, k, v, ids, out, lse = residuals
-    kernel = _whole_kernel(q, interpret, residuals=False)
+    kernel = _whole_kernel(q, options, residuals=False)
 
     def one(q, k, v, ids, out, lse, d_out):
         return compat.splash_backward(kernel, q, k, v, ids, out, lse, d_out)
@@ -121,11 +143,11 @@ def _attention_bwd(interpret, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _whole_kernel(q_BxHxTxD, interpret, residuals):
+def _whole_kernel(q_BxHxTxD, options: _Options, residuals):
     _, heads, length, _ = q_BxHxTxD.shape
     return _kernel(
-        length, length, heads, causal=True, offset=0, mqa=False, interpret=interpret,
-        residuals=residuals,
+        length, length, heads, causal=True, offset=0, mqa=False, interpret=options.interpret,
+        residuals=residuals, window=options.window, softcap=options.softcap,
     )  # fmt: skip
 
 

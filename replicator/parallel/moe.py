@@ -7,10 +7,11 @@ stacked ``[E, ...]``; each token goes to ``k`` of them (Switch, GShard, Mixtral)
   the ``k`` largest probabilities pick the experts. ``routing`` names how the
   gates, the capacity queues and the balancing loss follow from them (`ROUTINGS`):
 
-  - ``"switch"`` (``k = 1``; the default there): the gate is the chosen expert's
-    router probability, unnormalised, so the router learns from the main loss
-    (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961, section 2.1:
-    ``y = p_i(x) E_i(x)``).
+  - ``"switch"`` (any ``k``; the default for ``k = 1``): each gate is its expert's
+    router probability, not renormalised over the ``k`` chosen, so the router learns
+    from the main loss (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961,
+    section 2.1: ``y = p_i(x) E_i(x)``; for ``k >= 2``, Qwen3-MoE's
+    ``norm_topk_prob=False``); its queues and balancing loss are ``"mixtral"``'s.
   - ``"gshard"`` (``k >= 2``): the ``k`` gates renormalised to sum to 1 before
     any drop; every token's first choice queues for capacity before any token's
     second (then third ...); the balancing loss counts first choices only (GShard,
@@ -28,8 +29,14 @@ stacked ``[E, ...]``; each token goes to ``k`` of them (Switch, GShard, Mixtral)
   which tokens drop never depends on how the batch is sharded). The token-choice
   pairs of a sequence queue in position order, as ``routing`` says; those past ``C``
   are dropped: their share of the output is 0 (the caller's residual carries them).
-  ``capacity_factor >= E / k`` drops nothing; ``capacity_factor=None`` routes
-  without any capacity (dropless, with `jax.lax.ragged_dot`, every expert local).
+  ``capacity_factor >= E / k`` drops nothing, but every expert still computes its
+  ``C`` slots, the empty ones included (padding: ``1 - S k / (E C)`` of its FLOPs
+  at the least, `padding_fraction`).
+* **Dropless** (``capacity_factor=None``): no capacity, nothing dropped, no FLOPs on
+  padding: the pairs sorted by expert, each expert's group through a grouped matmul
+  (`jax.lax.ragged_dot`), with a ragged all-to-all to the experts' devices over
+  ``expert`` (`replicator.parallel.dropless`, which says what it costs). The same
+  parameters as with a capacity: a checkpoint moves between the two.
 * **Auxiliary losses** (`MoEAux`), over the tokens of the call: the load-balancing
   loss ``E * sum_e f_e * P_e`` (Switch's section 2.2, eq. 4, without its ``alpha``; GShard's
   ``l_aux`` times ``E ** 2``): ``f_e`` the fraction of the counted token-choice
@@ -40,16 +47,17 @@ stacked ``[E, ...]``; each token goes to ``k`` of them (Switch, GShard, Mixtral)
 
 With a mesh axis ``expert`` of size ``X``, each device holds ``E / X`` experts'
 weights (the logical axis ``'exp'``, rule ``('exp', 'expert')``) and the tokens
-go to their experts and back with two ``all_to_all``s over ``expert`` per layer:
-no expert weight is ever gathered. The batch is split over ``expert`` as over
-the data axes beside it (MaxText treats ``expert`` as a data-like axis outside
-the experts). In the global view (`Replicator.compile`, or ``jax.jit`` under
-``jax.set_mesh``) the layer goes manual over ``expert`` and the batch's axes in a
-``shard_map`` (so each device routes its own rows: a sort is never left to the
-partitioner); inside a ``shard_map`` already manual over ``expert`` (`Replicator.run`)
-it runs there directly: tokens split over ``expert`` go by all-to-all, tokens every
-device of ``expert`` holds alike go to that device's experts and the partial
-outputs are summed over ``expert``; with no ``expert`` axis the experts are local.
+go to their experts and back with two ``all_to_all``s over ``expert`` per layer
+(ragged ones when dropless): no expert weight is ever gathered. The batch is
+split over ``expert`` as over the data axes beside it (MaxText treats ``expert``
+as a data-like axis outside the experts). In the global view
+(`Replicator.compile`, or ``jax.jit`` under ``jax.set_mesh``) the layer goes
+manual over ``expert`` and the batch's axes in a ``shard_map`` (so each device
+routes its own rows: a sort is never left to the partitioner); inside a
+``shard_map`` already manual over ``expert`` (`Replicator.run`) it runs there
+directly: tokens split over ``expert`` go by all-to-all, tokens every device of
+``expert`` holds alike go to that device's experts and the partial outputs are
+summed over ``expert``; with no ``expert`` axis the experts are local.
 All of them compute the same numbers.
 """
 
@@ -68,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 from replicator.errors import ConfigError
 from replicator.parallel import axes as mesh_axes
 from replicator.parallel.activations import current_axes
+from replicator.parallel.dropless import dropless_experts
 from replicator.spmd.context import get_replica_context, vary, varying_axes
 
 EXPERT_AXIS = "expert"
@@ -122,6 +131,22 @@ def expert_capacity(
     return max(1, math.ceil(round(capacity_factor * tokens * experts_per_token / num_experts, 6)))
 
 
+def padding_fraction(
+    tokens: int, num_experts: int, experts_per_token: int, capacity_factor: float | None
+) -> float:
+    """The share of the experts' FLOPs spent on empty slots when nothing drops:
+    ``1 - S k / (E C)`` for sequences of ``tokens`` (more where tokens drop, as the
+    slots they leave are empty too); 0 when dropless (``capacity_factor=None``).
+
+    >>> round(padding_fraction(4096, 8, 2, 1.25), 6), padding_fraction(4096, 8, 2, None)
+    (0.2, 0.0)
+    """
+    if capacity_factor is None:
+        return 0.0
+    slots = num_experts * expert_capacity(tokens, num_experts, experts_per_token, capacity_factor)
+    return max(0.0, 1.0 - tokens * experts_per_token / slots)
+
+
 ROUTINGS = ("switch", "gshard", "mixtral")  # the conventions `route` follows (module docstring)
 
 
@@ -151,21 +176,15 @@ def resolve_routing(routing: str | None, experts_per_token: int, key: str = "rou
       The convention's name.
 
     Raises:
-      ConfigError: an unknown name, ``"switch"`` with ``k > 1`` or ``"gshard"`` with
-        ``k = 1`` (each one line).
+      ConfigError: an unknown name, or ``"gshard"`` with ``k = 1`` (each one line).
 
-    >>> resolve_routing(None, 1), resolve_routing(None, 2)
-    ('switch', 'mixtral')
+    >>> resolve_routing(None, 1), resolve_routing(None, 2), resolve_routing("switch", 8)
+    ('switch', 'mixtral', 'switch')
     """
     if routing is None:
         return "switch" if experts_per_token == 1 else "mixtral"
     if routing not in ROUTINGS:
         raise ConfigError(f"moe: {key}={routing!r}: use one of {ROUTINGS}, or None.")
-    if routing == "switch" and experts_per_token != 1:
-        raise ConfigError(
-            f"moe: {key}='switch' sends each token to one expert, not "
-            f"experts_per_token={experts_per_token}: use 'gshard' or 'mixtral'."
-        )
     if routing == "gshard" and experts_per_token == 1:
         raise ConfigError(
             f"moe: {key}='gshard' is top-2 routing; with experts_per_token=1 its one gate "
@@ -294,8 +313,8 @@ def moe_layer(
       num_experts: ``E``.
       experts_per_token: ``k``, at most ``E``.
       capacity_factor: > 0; each expert takes ``ceil(cf * length * k / E)`` tokens of
-        a sequence. None: dropless (every expert must be local: no ``axis`` above 1
-        unless the weights are whole inside a ``shard_map``).
+        a sequence. None: dropless (every token's ``k`` experts, none dropped, no
+        FLOPs on padding: `replicator.parallel.dropless`).
       activation: the MLP's nonlinearity.
       routing: the routing convention, one of `ROUTINGS` (gates, capacity queues,
         balancing loss: the module docstring), or None: ``"switch"`` for ``k = 1``
@@ -312,7 +331,7 @@ def moe_layer(
     Raises:
       ValueError: ``E`` not divisible by the size of ``axis``, ``k`` not in ``[1, E]``,
         a capacity factor <= 0, a ``routing`` that is not one of `ROUTINGS` or does
-        not take ``k`` experts, dropless routing over split experts, or parameters
+        not take ``k`` experts, or parameters
         whose shapes disagree with ``E`` (each one line).
 
     >>> params = init_moe_params(jax.random.key(0), embed_dim=4, mlp_dim=8, num_experts=4)
@@ -330,8 +349,6 @@ def moe_layer(
         x_BxSxd.shape[1], num_experts, experts_per_token, capacity_factor
     )  # fmt: skip
     split = shards > 1 and not mesh_axes.is_manual(axis)  # this call goes manual over ``axis``
-    if capacity is None:
-        _check_dropless(params["wi"], num_experts, shards, axis, split)
     routing = resolve_routing(routing, experts_per_token)
     layer = _Layer(
         num_experts, experts_per_token, capacity, activation, routing, axis, shards, token_order
@@ -473,7 +490,13 @@ class _Layer:
         )  # fmt: skip
         experts = {name: params[name] for name in EXPERT_WEIGHTS if name in params}
         if self.C is None:
-            return _dropless(experts, x_BxSxd, routing, self.activation), routing.aux
+            split = self.X > 1 and experts["wi"].shape[0] != self.E  # else every expert here
+            y = dropless_experts(
+                experts, x_BxSxd, routing.experts, routing.gates, num_experts=self.E,
+                activation=self.activation, axis=self.axis if split else None,
+                tokens_split=split and self._tokens_split(x_BxSxd),
+            )  # fmt: skip
+            return y, routing.aux
         return self.apply_experts(experts, x_BxSxd, routing.slots, routing.gates), routing.aux
 
     def apply_experts(self, experts: Params, x_BxSxd, slots_BxSxk, gates_BxSxk) -> jax.Array:
@@ -538,26 +561,6 @@ def _combine(out_BxNxd: jax.Array, slots_BxSxk: jax.Array, gates_BxSxk: jax.Arra
     rows = jnp.arange(out_BxNxd.shape[0])[:, None, None]
     got = out_BxNxd.at[rows, slots_BxSxk].get(mode="fill", fill_value=0)  # [B, S, k, d]
     return jnp.einsum("bskd,bsk->bsd", got, gates_BxSxk.astype(got.dtype))
-
-
-def _dropless(experts: Params, x_BxSxd: jax.Array, routing: Routing, activation) -> jax.Array:
-    """Every token-choice pair through its expert: the pairs sorted by expert and the
-    experts applied to their contiguous groups with `jax.lax.ragged_dot`."""
-    B, S, d = x_BxSxd.shape
-    E = experts["wi"].shape[0]
-    k = routing.experts.shape[-1]
-    chosen = routing.experts.reshape(-1)
-    order = jnp.argsort(chosen, stable=True)
-    tokens = x_BxSxd.reshape(B * S, d)[order // k]
-    sizes = jnp.bincount(chosen, length=E).astype(jnp.int32)
-    h = jax.lax.ragged_dot(tokens, experts["wi"], sizes)
-    if "wi_gate" in experts:
-        h = activation(jax.lax.ragged_dot(tokens, experts["wi_gate"], sizes)) * h
-    else:
-        h = activation(h)
-    out = jax.lax.ragged_dot(h, experts["wo"], sizes)
-    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(B, S, k, d)
-    return jnp.einsum("bskd,bsk->bsd", out, routing.gates.astype(out.dtype))
 
 
 # ------------------------------------------------------------- the global view
@@ -635,13 +638,4 @@ def _check(params, num_experts, experts_per_token, capacity_factor, shards, axis
             f"moe: the expert weights' leading axes are {held}; they must all be "
             f"num_experts={num_experts} (or {num_experts // shards}, this device's, inside "
             f"a shard_map over {axis!r})."
-        )
-
-
-def _check_dropless(wi: jax.Array, num_experts: int, shards: int, axis: str, split: bool):
-    if split or (shards > 1 and wi.shape[0] != num_experts):
-        raise ValueError(
-            f"moe: dropless routing (capacity_factor=None) needs every expert on each "
-            f"device, but mesh axis {axis!r} splits them {shards} ways; give a "
-            f"capacity_factor."
         )

@@ -564,16 +564,19 @@ def _spec_by_shape(trace: _Trace, x: Any) -> P | None:
     return found.pop() if len(found) == 1 else (_AMBIGUOUS if found else None)
 
 
+def _ending_like(inputs: list, x: Any, path: tuple) -> set:
+    """The specs of the ``inputs`` (``trace.paths`` or ``.slices``) shaped like ``x`` whose
+    key path ends like ``path`` (``.../params/fc/kernel`` for ``fc/kernel``)."""
+    shape, n = np.shape(x), len(path)
+    return {s for where, sh, s, _ in inputs if sh == shape and where[len(where) - n :] == path}
+
+
 def _grad_specs(trace: _Trace, grads: PyTree, params: PyTree | None) -> list[P | None]:
     """Each gradient's spec: its parameter's, the sharded input whose key path ends
-    like the gradient's (``.../params/fc/kernel`` for ``fc/kernel``), else by shape."""
+    like the gradient's, else by shape."""
     specs = []
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        n = len(path)
-        found = {
-            spec for where, shape, spec, _ in trace.paths
-            if shape == np.shape(g) and where[len(where) - n:] == tuple(path)
-        }  # fmt: skip
+        found = _ending_like(trace.paths, g, tuple(path))
         if len(found) > 1:
             specs.append(_AMBIGUOUS)
         else:
@@ -581,17 +584,23 @@ def _grad_specs(trace: _Trace, grads: PyTree, params: PyTree | None) -> list[P |
     return specs
 
 
-def _state_specs(trace: _Trace, state: PyTree, grad_def, grad_specs: list) -> list[P | None]:
+def _state_specs(
+    trace: _Trace, state: PyTree, grad_def, grad_specs: list, path: tuple = ()
+) -> list[P | None]:
     """Each optimizer-state leaf's spec: a subtree shaped like the gradients (Adam's
-    moments) pairs leaf by leaf with them; any other leaf goes by its shape."""
+    moments) pairs with them; a slice is its input's by key path (`_ending_like`: slices
+    of one shape may split differently, as LoRA's adapters do); the rest by shape."""
     if jax.tree.structure(state) == grad_def:
         return list(grad_specs)
-    children = jax.tree_util.tree_flatten(state, is_leaf=lambda x: x is not state)[0]
-    if not children:
-        return []
-    if len(children) == 1 and children[0] is state:  # a leaf
-        return [_spec_by_shape(trace, state)]
-    return [s for child in children for s in _state_specs(trace, child, grad_def, grad_specs)]
+    children = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is not state)[0]
+    if len(children) == 1 and children[0][1] is state:  # a leaf
+        found = _ending_like(trace.slices, state, path) if _is_slice(trace, state) else ()
+        return [next(iter(found)) if len(found) == 1 else _spec_by_shape(trace, state)]
+    return [
+        spec
+        for key, child in children
+        for spec in _state_specs(trace, child, grad_def, grad_specs, path + tuple(key))
+    ]
 
 
 # ------------------------------------------- is an optimizer's update elementwise?

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import pathlib
@@ -150,7 +151,7 @@ def make_environment(
               flush=True)  # fmt: skip
         python, pyproject = str(path / "bin" / "python"), str(pathlib.Path(root, "pyproject.toml"))
         for words in (
-            [uv, "venv", "--quiet", "--python", env.python, str(path)],
+            [uv, "venv", "--quiet", "--python", find_interpreter(env.python), str(path)],
             [uv, "pip", "install", "--quiet", "--python", python, "-r", pyproject,
              "--extra", "tpu"],
         ):  # fmt: skip
@@ -169,6 +170,35 @@ def make_environment(
                 )
         (path / "installed").write_text("")
     return path
+
+
+def find_interpreter(python: str) -> str:
+    """An interpreter of version ``python`` (``"3.12"``) that runs, for ``uv venv``: the
+    first ``pythonX.Y`` on ``PATH`` that answers with that version, else pyenv's
+    (``$PYENV_ROOT/versions/X.Y*``, where a pyenv shim of an inactive version exits
+    127 and uv, stopping at that shim, would look for a download instead); ``python``
+    itself where none is found (a path, or for uv to find or download).
+
+    >>> find_interpreter(THIS_PYTHON).endswith(f"python{THIS_PYTHON}") or THIS_PYTHON
+    True
+    """
+    if os.sep in python:
+        return python
+    name = f"python{python}"
+    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = [found for found in [shutil.which(name)] if found]
+    candidates += sorted(glob.glob(os.path.join(pyenv, "versions", f"{python}*", "bin", name)))
+    for candidate in candidates:
+        try:
+            done = subprocess.run(
+                [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+        except OSError:
+            continue
+        if done.returncode == 0 and done.stdout.strip() == python:
+            return candidate
+    return python
 
 
 def uv_error(stderr: str) -> str:

@@ -178,7 +178,9 @@ def check_fit(
     if python is None:
         print(
             f"# pre-flight: compiling for {accelerator} with the workers' JAX makes its "
-            "environment here first (uv, once); launching does",
+            "environment here first (uv, once); launching does, or `python -m replicator "
+            f"compile --config C --topology {accelerator} --python {asked or 'X.Y'}` "
+            "(then a dry run compiles too)",
             flush=True,
         )
         return

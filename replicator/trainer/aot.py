@@ -164,6 +164,7 @@ def compile_for_topology(
         train, evaluate, decode, programs = _compile_steps(run, spec, steps)
     finally:
         run.close()
+    train.notes.extend(run.experiment.notes)  # the experiment's own (a MoE's padding)
     report = CompileReport(
         spec.name, slices, slices * spec.chips, spec.chip.name, mesh,
         None if config.dcn_mesh is None else dict(config.dcn_mesh),

@@ -45,7 +45,7 @@ from absl import app, flags
 from replicator import storage
 from replicator.errors import StorageUnavailableError, UsageError, UserError
 from replicator.trainer import config as config_lib
-from replicator.trainer import config_files, sample_command
+from replicator.trainer import config_files, harness, sample_command
 from replicator.trainer.config_files import HELP
 from replicator.trainer.console import Console, one_line, result_line
 from replicator.trainer.help_text import COMMANDS, SYNOPSIS, command_help, usage
@@ -56,8 +56,14 @@ _RERUN = "; nothing is lost: rerun the same command once the storage answers"
 
 _CONFIG = config_files.CONFIG
 _JSON = next(holder for holder in sample_command.FLAGS if holder.name == "json")  # eval's too
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, logs and checkpoints.")
-_STEP = flags.DEFINE_integer("step", None, "The checkpoint step to evaluate (default: latest).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None,
+    "The run's directory: train writes its metrics, logs and checkpoints there; eval, "
+    "sample and export read them; compile writes its report there.",
+)  # fmt: skip
+_STEP = flags.DEFINE_integer(
+    "step", None, "The checkpoint to evaluate, sample or export (default: the newest)."
+)
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Show what tfds, Orbax, absl and JAX print (else only in WORKDIR/log.txt)."
@@ -131,13 +137,34 @@ _PYTHON = flags.DEFINE_string(
 _STEPS = flags.DEFINE_list(
     "steps", ["train", "eval", "decode"], "compile: the steps to compile (the train step always)."
 )
-_FORMAT = flags.DEFINE_enum("format", None, ["hf"], "export: the format, 'hf' (Hugging Face's).")
+_FORMAT = flags.DEFINE_enum(
+    "format",
+    None,
+    ["hf", "peft"],
+    "export: 'hf' (Hugging Face weights; a LoRA run's merged) or 'peft' (a LoRA run's "
+    "adapters, HF PEFT's layout)",
+)
 _OUT = flags.DEFINE_string("out", None, "export: the directory to write (new or empty).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16", "float16"],
+    "export: the weights' dtype (bfloat16 halves them, as checkpoints on the Hub are).",
+)  # fmt: skip
 
 _COMMON = (_VERBOSE, _DEBUG, _CPU_DEVICES, _COMPILE_CACHE, _INIT_TIMEOUT)
 _FLAGS_OF = {
     "train": (_CONFIG, _WORKDIR, _QUIET, _STRICT, _FORCE, *_COMMON),
-    "eval": (_CONFIG, _WORKDIR, _STEP, _STRICT, _EMA, _FOLLOW, _FOLLOW_TIMEOUT, _JSON, *_COMMON),
+    "eval": (
+        _CONFIG,
+        _WORKDIR,
+        _STEP,
+        _STRICT,
+        _EMA,
+        _FOLLOW,
+        _FOLLOW_TIMEOUT,
+        _JSON,
+        *harness.FLAGS,
+        *_COMMON,
+    ),
     "compile": (
         _CONFIG,
         _TOPOLOGY,
@@ -150,7 +177,7 @@ _FLAGS_OF = {
         _VERBOSE,
         _DEBUG,
     ),
-    "export": (_WORKDIR, _STEP, _FORMAT, _OUT, _VERBOSE, _DEBUG, _CPU_DEVICES),
+    "export": (_WORKDIR, _STEP, _FORMAT, _OUT, _DTYPE, _VERBOSE, _DEBUG, _CPU_DEVICES),
     "sample": (_CONFIG, _WORKDIR, _STEP, *sample_command.FLAGS, _STRICT, *_COMMON),
     "params": (_CONFIG, _VERBOSE, _DEBUG, _CPU_DEVICES),
 }
@@ -314,6 +341,7 @@ def main(argv: list[str], console: Console) -> None:
             raise UsageError(f"--{flag.name} is required; see `python -m replicator {command} -h`")
     if command == "sample":
         sample_command.check_flags()  # before JAX starts
+    tasks = harness.check_flags(_FOLLOW, _EMA) if command == "eval" else None  # lm_eval's too
     import jax
 
     if _CPU_DEVICES.value:
@@ -331,18 +359,28 @@ def main(argv: list[str], console: Console) -> None:
         storage.check_writable(workdir) if command == "train" else storage.check_bucket(workdir)
     elif os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir} is a file, not a directory")
-    if command == "eval" and not _FOLLOW.value and not storage.isdir(workdir):  # (a sidecar waits)
+    # A sidecar waits for the workdir; lm_eval's tasks may run config.init_from's weights.
+    if command == "eval" and not (_FOLLOW.value or tasks) and not storage.isdir(workdir):
         raise UsageError(f"--workdir {workdir} does not exist (a mistyped path?)")
     config = config_files.config_for(command, workdir)  # sample's: as eval's, the run's own
-    config = _with_checkpoint_model(config, required=command == "train")
+    # init_from='hf:DIR' whose weights will be read (nothing to resume): its files checked
+    # too, before the line that says what it changed and before the log is written.
+    reads_weights = command != "eval" or tasks is not None
+    fresh = reads_weights and not storage.exists(storage.join(workdir, "checkpoints"))
+    config = _with_checkpoint_model(config, required=command == "train", check_files=fresh)
     config_lib.validate(config)  # every key, the experiment's too: before the workdir is touched
     if command == "train":
         config_files.check_workdir(config, workdir, force=_FORCE.value)
+        from replicator.trainer import data
+
+        data.prepare_own(config.dataset, config.data_dir)  # a mistake in the data: one line
     console.log_to(workdir, jax.process_index(), " ".join(sys.argv[1:]), create=command == "train")
     if command == "train":
         _train(config, workdir, console, chief)
     elif command == "sample":
         sample_command.main(config, workdir, console, chief, _STEP.value, _STRICT.value)
+    elif tasks is not None:
+        harness.main(config, workdir, console, chief, _STEP.value, _STRICT.value, _JSON.value)
     else:
         _eval(config, workdir, console, chief)
 
@@ -447,16 +485,17 @@ def _compile(console: Console) -> None:
         sys.exit(USAGE_ERROR)
 
 
-def _with_checkpoint_model(config, required: bool = True):
+def _with_checkpoint_model(config, required: bool = True, check_files: bool = False):
     """init_from='hf:DIR': the model's shape from DIR/config.json, before the workdir's
     saved config is compared with it (`replicator.trainer.pretrained.checkpoint_model`)."""
     from replicator.trainer import pretrained
 
-    return pretrained.checkpoint_model(config, required=required)
+    return pretrained.checkpoint_model(config, required=required, check_files=check_files)
 
 
 def _export(console: Console) -> None:
-    """``export``: a run's checkpoint as a Hugging Face checkpoint (`replicator.trainer.export`)."""
+    """``export``: a run's checkpoint as a Hugging Face checkpoint, or its LoRA adapters as
+    Hugging Face PEFT's (``--format peft``; `replicator.trainer.export`)."""
     for flag in (_WORKDIR, _FORMAT, _OUT):
         if flag.value is None:
             raise UsageError(f"--{flag.name} is required; see `python -m replicator export -h`")
@@ -466,7 +505,9 @@ def _export(console: Console) -> None:
         jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
     from replicator.trainer import export
 
-    exported = export.export_hf(_WORKDIR.value, _OUT.value, step=_STEP.value)
+    exported = export.export_run(
+        _WORKDIR.value, _OUT.value, format=_FORMAT.value, step=_STEP.value, dtype=_DTYPE.value
+    )
     console.print(exported.report())
 
 

@@ -34,6 +34,7 @@ from replicator.errors import ConfigError as ConfigError
 from replicator.parallel import mesh as mesh_lib
 from replicator.parallel import sharding as sharding
 from replicator.trainer.experiment import ConfigKeys, KeyTable, declared_beside, load_config_keys
+from replicator.trainer.optimizer import OptimizerSpec
 
 _REQUIRED = object()
 
@@ -287,6 +288,16 @@ def experiment_keys(experiment: Any) -> ConfigKeys:
     if set(keys.options) & set(SCHEMA):
         raise TypeError(f"{experiment}.CONFIG_KEYS declares the trainer's own keys")
     return keys
+
+
+def optimizer_spec(config: ml_collections.ConfigDict) -> OptimizerSpec:
+    """The config's optimizer keys (`OptimizerSpec`), freezing what ``config.freeze`` names
+    and what the experiment freezes itself (`ConfigKeys.frozen`: the LM's base weights
+    under LoRA): one mechanism for both."""
+    spec = OptimizerSpec.from_config(config)
+    keys = experiment_keys(config.experiment)
+    own = None if keys.frozen is None else keys.frozen(config.to_dict())
+    return spec if own is None else spec.also_freezing(*own)
 
 
 def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -22,7 +22,7 @@ from replicator import storage
 from replicator.checkpoints.checkpoint import CheckpointMismatchError, Checkpoints
 from replicator.step import ema as ema
 from replicator.trainer import actions as act
-from replicator.trainer import aot, init_from, lease, pretrained
+from replicator.trainer import aot, data, init_from, lease, pretrained
 from replicator.trainer import config as config_lib
 from replicator.trainer.config import config_differences
 from replicator.trainer.console import parallelism_line
@@ -103,6 +103,9 @@ def _train(config, workdir, preemption, held, *, quiet, devices, strict) -> dict
     split = parallelism_line(config.to_dict(), dict(repl.mesh.shape))  # context, MoE, stages
     if split:
         log.info("%s", split)
+    prepared = data.summary(config.dataset, config.data_dir, config.train_split)  # chat data
+    if prepared:
+        log.info("%s", prepared)
     params = train_params(run.abstract_state)
     log.info("%s", describe(run.optimizer_spec, params[0] if len(params) == 1 else params))
 
@@ -246,7 +249,8 @@ def _init_from(run: Run, workdir: str):
         return None
 
     def plan_and_read():
-        return pretrained.load(config, run.abstract_state, run.repl)
+        targets = tuple(target for target, _ in run.experiment.copies)
+        return pretrained.load(config, run.abstract_state, run.repl, targets)
 
     if storage.exists(storage.join(workdir, "checkpoints")):
         return plan_and_read
@@ -266,7 +270,8 @@ def _restore_or_init(
             # The EMA starts from the loaded parameters, not from the initialisation.
             state = ema.restart(init_from.place(the_plan, arrays, state))
             _tell_init_from(the_plan, workdir)
-        return state, 0
+        # What the experiment keeps of the starting parameters (the LM's DPO reference).
+        return init_from.copy_leaves(state, run.experiment.copies), 0
     try:
         state = checkpoints.restore(like=run.abstract_state, strict=strict)
     except CheckpointMismatchError as e:

@@ -64,6 +64,10 @@ class ConfigKeys:
         (``stage``, ``context``, ``expert``); the others are refused.
       check: ``check(values) -> problems``: one line per mistake in the config's
         values (every key present, of its type), e.g. a model the mesh cannot split.
+      frozen: ``frozen(values) -> (regex, reason)`` or None: the parameters the
+        experiment itself freezes for these values (the LM's base weights under LoRA),
+        beside ``config.freeze``; the trainer freezes both in one mechanism
+        (`replicator.trainer.optimizer`), ``reason`` names them in its lines.
 
     >>> ConfigKeys(options={"depth": ((int,), 2, "layers")}).options["depth"][1]
     2
@@ -73,6 +77,7 @@ class ConfigKeys:
     model: KeyTable | None = None
     mesh_axes: tuple[str, ...] = ()
     check: Callable[[Mapping[str, Any]], list[str]] | None = None
+    frozen: Callable[[Mapping[str, Any]], tuple[str, str] | None] | None = None
 
 
 def load_config_keys(experiment: Any) -> ConfigKeys:
@@ -214,6 +219,15 @@ class Experiment:
         1024)`` for a language model (``tokens_per_sec`` then too).
       after_eval: optional ``after_eval(eval_state, workdir, step)``, called on
         process 0 after each eval (e.g. a GAN writes a grid of samples).
+      copies: ``(target, source)`` pairs of path prefixes in the state (``"params/
+        reference/"``, ``"params/"``): a fresh state's leaves under ``target`` are set to
+        the leaves under ``source`` once its parameters are in place (after
+        ``init_from``), and ``init_from`` neither loads nor counts them (the LM's DPO
+        reference: a frozen copy of the starting weights). A leaf under both prefixes
+        is a target only.
+      notes: lines ``compile`` adds to its report of the train step: what the program
+        does that its figures do not show (the LM's share of FLOPs on a mixture of
+        experts' empty slots).
     """
 
     preprocess: Callable[[Batch], Batch]
@@ -228,3 +242,5 @@ class Experiment:
     }
     units: tuple[str, int] = ("examples", 1)
     after_eval: Callable[[PyTree, str, int], None] | None = None
+    copies: tuple[tuple[str, str], ...] = ()
+    notes: tuple[str, ...] = ()

@@ -20,7 +20,8 @@ from replicator.trainer.config import describe_keys, experiment_keys
 
 COMMANDS = {
     "train": "train a config's experiment in WORKDIR, resuming from its newest checkpoint",
-    "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (JSON off a terminal)",
+    "eval": "evaluate a checkpoint of WORKDIR on the devices there are now (JSON off a terminal); "
+    "--tasks: lm-eval-harness benchmarks",
     "compile": "compile a config's steps for a Cloud TPU slice here: memory per chip, FLOPs, "
     "collectives, a roofline (--fit: the fastest remat/accumulation/offload that fits)",
     "plot": "draw WORKDIR's metrics as PNG files in WORKDIR/plots/",
@@ -32,11 +33,12 @@ COMMANDS = {
 }
 SYNOPSIS = {
     "train": "train --config FILE[:MODE] --workdir DIR [--config.KEY=VALUE ...] [flags]",
-    "eval": "eval --workdir DIR [--config FILE[:MODE]] [--config.KEY=VALUE ...] [flags]",
+    "eval": "eval --workdir DIR [--config FILE[:MODE]] [--config.KEY=VALUE ...] [--tasks T1,T2 "
+    "[--include_path DIR] [--limit N]] [flags]",
     "compile": "compile --config FILE[:MODE] --topology TYPE [--slices N] [--workdir DIR] "
     "[--fit] [--config.KEY=VALUE ...]",
     "plot": "plot WORKDIR",
-    "export": "export --workdir DIR [--step N] --format hf --out DIR",
+    "export": "export --workdir DIR [--step N] --format {hf,peft} --out DIR",
     "params": "params --config FILE[:MODE] [--config.KEY=VALUE ...]",
     "sample": "sample --workdir DIR [--config FILE[:MODE]] (--prompt TEXT | --prompt_ids 1,2,3) "
     "[--max_new_tokens N --temperature T --top_k K --top_p P --seed S --num_samples N] [--json]",

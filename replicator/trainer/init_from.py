@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from replicator import storage
 from replicator.checkpoints.checkpoint import (
@@ -101,10 +102,35 @@ def checkpoints_dir(path: str) -> str:
     return inner if storage.exists(inner) else path
 
 
-def model_paths(abstract_state: Any) -> dict[str, Any]:
-    """The state's parameter and model-state leaves, by path (the checkpoint's naming)."""
+def model_paths(abstract_state: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The state's parameter and model-state leaves, by path (the checkpoint's naming);
+    none under an ``exclude`` prefix (`Experiment.copies`' targets: set from others)."""
     flat = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-    return {_name(p): x for p, x in flat if _is_model(_name(p))}
+    named = ((_name(p), x) for p, x in flat)
+    return {n: x for n, x in named if _is_model(n) and not n.startswith(tuple(exclude))}
+
+
+def copy_leaves(state: Any, copies: tuple[tuple[str, str], ...]) -> Any:
+    """``state`` with each leaf under a ``target`` prefix set to (a copy of) the leaf at
+    the same path under its ``source`` prefix (`Experiment.copies`).
+
+    >>> import jax.numpy as jnp
+    >>> state = {"params": {"w": jnp.ones(2), "reference": {"w": jnp.zeros(2)}}}
+    >>> copy_leaves(state, (("params/reference/", "params/"),))["params"]["reference"]["w"]
+    Array([1., 1.], dtype=float32)
+    """
+    if not copies:
+        return state
+    leaves = {_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+    def value(path, x):
+        name = _name(path)
+        for target, source in copies:
+            if name.startswith(target):  # (a copy: a donated step must not find a buffer twice)
+                return jnp.array(leaves[source + name[len(target) :]], copy=True)
+        return x
+
+    return jax.tree_util.tree_map_with_path(value, state)
 
 
 def _name(path) -> str:
@@ -115,7 +141,10 @@ def _is_model(name: str) -> bool:
     return any(key in _MODEL_KEYS for key in name.split("/"))
 
 
-def plan(spec: str, rules: Any, abstract_state: Any, repl, skip: str | None = None) -> Plan:
+def plan(
+    spec: str, rules: Any, abstract_state: Any, repl, skip: str | None = None,
+    exclude: tuple[str, ...] = (),
+) -> Plan:  # fmt: skip
     """Matches the checkpoint's arrays to the state's (reading metadata only).
 
     Args:
@@ -124,6 +153,7 @@ def plan(spec: str, rules: Any, abstract_state: Any, repl, skip: str | None = No
       abstract_state: the fresh state's shapes.
       repl: the Replicator.
       skip: ``config.init_from_skip``: a regex over the state's paths not to load.
+      exclude: path prefixes neither loaded nor counted (`model_paths`).
 
     Raises:
       ConfigError: no checkpoint there, an unreadable one, a rule that renames two
@@ -151,7 +181,8 @@ def plan(spec: str, rules: Any, abstract_state: Any, repl, skip: str | None = No
         raise ConfigError(f"config.init_from={spec!r}: {e}") from None
     finally:
         source.close()
-    return _match(directory, step, saved, model_paths(abstract_state), rules or (), skip)
+    wanted = model_paths(abstract_state, exclude)
+    return _match(directory, step, saved, wanted, rules or (), skip)
 
 
 def _match(

@@ -74,6 +74,7 @@ class OptimizerSpec:
     batch_size: int | None = None
     lr_base_batch_size: int | None = None
     lr_batch_scaling: str | None = None
+    frozen_by: str | None = None  # what ``freeze`` is, for people (None: config.freeze)
 
     @classmethod
     def from_config(cls, config) -> OptimizerSpec:
@@ -96,6 +97,28 @@ class OptimizerSpec:
             lr_base_batch_size=config.lr_base_batch_size,
             lr_batch_scaling=config.lr_batch_scaling,
         )
+
+    def also_freezing(self, regex: str, reason: str) -> OptimizerSpec:
+        """This spec freezing the parameters ``regex`` finds too (an experiment's own, the
+        LM's base weights under LoRA), ``reason`` naming them in the trainer's lines.
+
+        >>> spec = OptimizerSpec(freeze="embed").also_freezing("^(?!.*lora)", "LoRA's base")
+        >>> spec.freeze, spec.frozen_by
+        ('(?:embed)|(?:^(?!.*lora))', "config.freeze='embed' and LoRA's base")
+        """
+        if self.freeze is None:
+            return dataclasses.replace(self, freeze=regex, frozen_by=reason)
+        return dataclasses.replace(
+            self, freeze=f"(?:{self.freeze})|(?:{regex})", frozen_by=f"{self.freezing} and {reason}"
+        )
+
+    @property
+    def freezing(self) -> str | None:
+        """What ``freeze`` freezes, for people: ``config.freeze='...'`` or the experiment's
+        reason (None: nothing)."""
+        if self.freeze is None:
+            return None
+        return self.frozen_by or f"config.freeze={self.freeze!r}"
 
     @property
     def batch_factor(self) -> float:
@@ -364,7 +387,7 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
     n_decayed = sum(s for s, d, f in zip(sizes, decayed, frozen) if d and not f)
     line = f"parameters {sum(sizes):,} ({len(sizes)} arrays): {sum(sizes) - n_frozen:,} trained"
     if spec.freeze is not None:
-        line += f", {n_frozen:,} frozen"
+        line += f", {n_frozen:,} frozen" + (f" ({spec.frozen_by})" if spec.frozen_by else "")
     if spec.weight_decay:
         line += f", {n_decayed:,} decayed"
     line += f"; {spec.name}"
@@ -378,8 +401,9 @@ def describe(spec: OptimizerSpec, params: PyTree) -> str:
         )
     if spec.warmup_steps:
         line += f" after {spec.warmup_steps} warmup steps"
-    if spec.lr_schedule in ("cosine", "linear"):
-        line += f" to {spec.lr_end_fraction:g}x"
+    if spec.lr_schedule in ("cosine", "linear"):  # decays to lr_end_fraction of its peak
+        end = spec.lr_end_fraction
+        line += " decaying to 0" if not end else f" decaying to {end:g} of it"
     extras = [
         f"{name} {value:g}"
         for name, value in (

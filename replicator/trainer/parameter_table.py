@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from replicator.step.state import TrainState
+from replicator.trainer import config as config_lib
 from replicator.trainer import optimizer
 from replicator.trainer.optimizer import OptimizerSpec
 
@@ -79,7 +80,7 @@ def coverage_warnings(spec: OptimizerSpec, rows: list[Row]) -> list[str]:
     lines = []
     if spec.freeze is not None and rows and all(r.frozen for r in rows):
         lines.append(
-            f"config.freeze={spec.freeze!r} freezes every parameter ({total:,} of {total:,} "
+            f"{spec.freezing} freezes every parameter ({total:,} of {total:,} "
             f"in {len(rows)} arrays): nothing trains. `python -m replicator params --config "
             "...` lists the paths (e.g. " + ", ".join(r.path for r in rows[:3]) + ")"
         )
@@ -149,13 +150,13 @@ def summary(rows: list[Row], spec: OptimizerSpec) -> str:
     line = f"{total:,} parameters in {len(rows)} arrays"
     if spec.freeze is not None:
         frozen = sum(r.size for r in rows if r.frozen)
-        line += f": {total - frozen:,} trained, {frozen:,} frozen by config.freeze={spec.freeze!r}"
+        line += f": {total - frozen:,} trained, {frozen:,} frozen by {spec.freezing}"
     return line
 
 
 def report(config: ml_collections.ConfigDict, abstract_state: Any) -> list[str]:
     """What the command prints for a config's abstract state."""
-    spec = OptimizerSpec.from_config(config)
+    spec = config_lib.optimizer_spec(config)
     states, lines = state_rows(abstract_state, spec), []
     for where, rows in states.items():
         title = f"{config.experiment}" + (f", {where}" if where else "") + ": "

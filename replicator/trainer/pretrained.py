@@ -14,7 +14,9 @@ With ``hf_config`` (a checkpoint's ``config.json``: importing) the layout's
 the kind of block) taken from it; without it (exporting) the layout's
 ``config`` is the ``config.json`` that describes ``model``, and its ``files``
 the files of the run's ``tokenizer`` (``config.tokenizer``) to copy beside the
-weights. Either way its
+weights; an experiment with adapters also takes ``base=True`` (export the frozen base
+alone, for the adapters' ``export --format peft``), and lists the adapters'
+tensors in ``adapters``. Either way its
 ``tensors`` say which Hugging Face tensors each parameter is made of, and how
 to turn one into the other (`HFTensor`). An unsupported checkpoint or model is
 a `ConfigError` from the hook. ``experiments.lm`` has one (``experiments/lm/hf.py``).
@@ -23,11 +25,15 @@ Importing runs in three steps, each before anything is written:
 
 * `checkpoint_model` (the CLI and the driver, before the experiment is made):
   the config's ``model`` with the checkpoint's keys on top. The checkpoint wins
-  where the config says otherwise, with a line naming each key it changed.
-* `plan`: which parameter comes from which tensors, from the files' headers only;
-  a missing tensor, a shape other than ``config.json`` implies, or an
-  ``init_from_skip`` that finds nothing is one `ConfigError`. The console's line
-  (`init_from.Plan.report`) says what the checkpoint is and what was loaded.
+  where the config says otherwise, with a line naming each key it changed. The CLI
+  has it check the files too (`check_tensors`) where their weights will be read,
+  before that line and before anything is written (the workdir's ``log.txt``
+  included): a truncated or garbage file, a missing shard, a ``.bin`` checkpoint, a
+  tensor missing or of another shape than ``config.json`` implies is one line.
+* `plan`: which parameter comes from which tensors, from the files' headers only
+  (`check_tensors` again); an ``init_from_skip`` that finds nothing is one
+  `ConfigError` too. The console's line (`init_from.Plan.report`) says what the
+  checkpoint is and what was loaded.
 * `read`: each tensor read from its memory map, turned into the parameter's
   layout and put straight into the parameter's shards
   (``jax.make_array_from_callback``); a stacked ``[layers, ...]`` parameter is
@@ -54,9 +60,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from replicator import storage
 from replicator.errors import ConfigError
 from replicator.trainer import init_from
-from replicator.trainer.safetensors_files import SafetensorsDir
+from replicator.trainer.safetensors_files import INDEX, SafetensorsDir
 
 log = logging.getLogger("replicator")
 
@@ -78,14 +85,18 @@ class HFTensor:
       to_hf: ``to_hf(parameter) -> tensors``, the inverse.
       layers: 0 for one tensor per name; else the parameter is ``[layers, ...]``,
         layer ``i`` made of the names with ``{layer}`` = i.
+      also: exporting, the paths of other parameters (stacked alike) that ``to_hf``
+        takes after this one, ``to_hf(parameter, *also)``: a LoRA adapter merged into its
+        kernel, a quantized kernel's scales. Importing fills ``path`` alone.
     """
 
     path: str
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     to_ours: Callable[..., np.ndarray]
-    to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    to_hf: Callable[..., tuple[np.ndarray, ...]]
     layers: int = 0
+    also: tuple[str, ...] = ()
 
     def names_of(self, layer: int | None) -> list[str]:
         """The tensors' names (of ``layer``, for a stacked parameter)."""
@@ -110,7 +121,11 @@ class HFLayout:
       tensors: every parameter the checkpoint holds, as `HFTensor`.
       prefix: the base model's prefix (``model.``, ``transformer.``): a checkpoint of
         the base model alone names its tensors without it.
-      files: files an export copies beside the weights (the tokenizer's).
+      files: files an export copies beside the weights (the tokenizer's), where the
+        experiment has no ``write_tokenizer`` hook (`replicator.trainer.export`).
+      adapters: exporting a run with adapters (``export --format peft``), Hugging Face
+        PEFT's tensors of them (``adapter_model.safetensors``' names).
+      adapter_config: and PEFT's ``adapter_config.json`` but ``base_model_name_or_path``.
     """
 
     model: dict[str, Any]
@@ -119,6 +134,8 @@ class HFLayout:
     tensors: tuple[HFTensor, ...]
     prefix: str = ""
     files: tuple[str, ...] = ()
+    adapters: tuple[HFTensor, ...] = ()
+    adapter_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def is_pretrained(spec: str | None) -> bool:
@@ -170,25 +187,30 @@ def layout(
 
 
 def checkpoint_model(
-    config: ml_collections.ConfigDict, *, required: bool = True
+    config: ml_collections.ConfigDict, *, required: bool = True, check_files: bool = False
 ) -> ml_collections.ConfigDict:
     """``config`` with ``config.model`` shaped as its ``hf:DIR`` checkpoint says.
 
     Logs one line naming the keys whose values the checkpoint changed (none when
     the config agrees, as a run's saved config does). A config without ``hf:`` is
-    returned as it is.
+    returned as it is, unless its ``init_from`` names a Hugging Face checkpoint's
+    directory (then the error says to write ``hf:``).
 
     Args:
       config: a training config.
       required: False: a directory that is gone is no error (eval and export read a
         run's saved config, which holds the checkpoint's keys already).
+      check_files: the weights will be read: check the files' headers against the
+        layout first (`check_tensors`), before the line above is logged.
 
     Raises:
       ConfigError: no such directory or config.json (where ``required``), an
-        experiment without the hook, a checkpoint it does not support.
+        experiment without the hook, a checkpoint it does not support; with
+        ``check_files``, files that `check_tensors` refuses.
     """
     spec = config.get("init_from")
     if not is_pretrained(spec):
+        _check_no_hf_directory(spec)
         return config
     if not required and not os.path.isdir(os.path.expanduser(spec[len(PREFIX) :])):
         return config
@@ -197,9 +219,12 @@ def checkpoint_model(
             f"config.init_from_rules rename a run's checkpoint paths; config.init_from={spec!r} "
             "is mapped by the experiment itself: drop init_from_rules"
         )
-    _, hf_config = read_hf_config(spec)
+    directory, hf_config = read_hf_config(spec)
     model = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
-    taken = layout(config.experiment, model, hf_config).model
+    hf = layout(config.experiment, model, hf_config)
+    if check_files:
+        check_tensors(spec, directory, hf)
+    taken = hf.model
     changed = [
         f"{k} {model[k]!r} -> {taken[k]!r}" for k in model if model[k] != taken.get(k, model[k])
     ]
@@ -215,10 +240,72 @@ def checkpoint_model(
     return config
 
 
-def load(config: ml_collections.ConfigDict, abstract_state: Any, repl) -> tuple:
+def _check_no_hf_directory(spec: Any) -> None:
+    """``init_from=DIR`` where DIR is a Hugging Face checkpoint's, not a run's: the
+    `ConfigError` that says to write ``hf:DIR`` (else it would hold "no checkpoint")."""
+    if not isinstance(spec, str) or storage.is_remote(spec):
+        return
+    path = os.path.expanduser(init_from.parse(spec)[0])
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "checkpoints")):
+        return
+    names = os.listdir(path)
+    weights = [n for n in names if n.endswith((".safetensors", ".bin")) or n == INDEX]
+    if "config.json" in names and weights:
+        raise ConfigError(
+            f"config.init_from={spec!r} is a Hugging Face checkpoint's directory (config.json, "
+            f"{weights[0]}), not a run's: write --config.init_from={PREFIX}{path}"
+        )
+
+
+def check_tensors(spec: str, directory: str, hf: HFLayout) -> tuple[SafetensorsDir, set[str]]:
+    """The checkpoint's files, with every tensor that ``hf`` names there in the shape
+    ``config.json`` implies; from the files' headers only, each checked against its
+    file's size (`SafetensorsDir`).
+
+    Args:
+      spec: ``config.init_from``, ``hf:DIR``, for the messages.
+      directory: DIR.
+      hf: the layout (`layout`) of the checkpoint's ``config.json``.
+
+    Returns:
+      The files, and the names of the tensors that the layout uses.
+
+    Raises:
+      ConfigError: no ``*.safetensors`` (a ``.bin`` checkpoint), a shard the index
+        names that is not there, a file that is not a safetensors file (truncated,
+        random bytes), tensors missing or of other shapes (every one listed): one line.
+    """
+    try:
+        files = SafetensorsDir(directory)
+    except ConfigError as e:
+        raise ConfigError(f"config.init_from={spec!r}: {e}") from None
+    used, problems = set(), []
+    for tensor in hf.tensors:
+        for layer in range(tensor.layers) if tensor.layers else [None]:
+            for name, shape in zip(tensor.names_of(layer), tensor.shapes, strict=True):
+                found = _resolve(name, files, hf.prefix)
+                if found is None:
+                    problems.append(f"{name} missing")
+                elif files.shapes[found] != tuple(shape):
+                    problems.append(f"{found} is {files.shapes[found]}, config.json says {shape}")
+                else:
+                    used.add(found)
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; ... ({len(problems)} in all)" if len(problems) > 8 else ""
+        )
+        raise ConfigError(f"config.init_from={spec!r} ({directory}): {shown}")
+    return files, used
+
+
+def load(
+    config: ml_collections.ConfigDict, abstract_state: Any, repl, exclude: tuple[str, ...] = ()
+) -> tuple:
     """``config.init_from``'s plan and arrays, for `init_from.place`: a Hugging Face
     checkpoint's (`plan`, `read`; ``config.model`` shaped by `checkpoint_model` first) or a
     run's (`init_from.plan`, `init_from.read`).
+
+    ``exclude``: state path prefixes neither loaded nor counted (`Experiment.copies`).
 
     Returns:
       ``(plan, arrays)``.
@@ -226,11 +313,16 @@ def load(config: ml_collections.ConfigDict, abstract_state: Any, repl) -> tuple:
     if is_pretrained(config.init_from):
         the_plan, source = plan(
             config.init_from, config.experiment, config.model.to_dict(), abstract_state,
-            config.init_from_skip,
+            config.init_from_skip, exclude,
         )  # fmt: skip
         return the_plan, read(the_plan, source, abstract_state)
     the_plan = init_from.plan(
-        config.init_from, config.init_from_rules, abstract_state, repl, config.init_from_skip
+        config.init_from,
+        config.init_from_rules,
+        abstract_state,
+        repl,
+        config.init_from_skip,
+        exclude,
     )
     return the_plan, init_from.read(the_plan, abstract_state, repl)
 
@@ -246,7 +338,7 @@ class Source:
 
 def plan(
     spec: str, experiment: str, model: Mapping[str, Any], abstract_state: Any,
-    skip: str | None = None,
+    skip: str | None = None, exclude: tuple[str, ...] = (),
 ) -> tuple[init_from.Plan, Source]:  # fmt: skip
     """Matches the checkpoint's tensors to the state's parameters (headers only).
 
@@ -256,20 +348,20 @@ def plan(
       model: ``config.model``, as `checkpoint_model` made it.
       abstract_state: the fresh state's shapes.
       skip: ``config.init_from_skip``.
+      exclude: state path prefixes neither loaded nor counted (`init_from.model_paths`).
 
     Returns:
       The plan (``sources[state path]`` = the tensors' names), and the `Source` to read.
 
     Raises:
-      ConfigError: tensors missing or of other shapes (every one listed), a skip that
-        finds nothing, a parameter the checkpoint's layout names but the model lacks.
+      ConfigError: what `check_tensors` refuses, a skip that finds nothing, a parameter
+        the checkpoint's layout names but the model lacks.
     """
     directory, hf_config = read_hf_config(spec)
     hf = layout(experiment, model, hf_config)
-    files = SafetensorsDir(directory)
-    wanted = init_from.model_paths(abstract_state)
+    wanted = init_from.model_paths(abstract_state, exclude)
     skipped = init_from.skipped_paths(skip, wanted)
-    sources, tensors, used, problems = {}, {}, set(), []
+    sources, tensors = {}, {}
     for tensor in hf.tensors:
         path = state_path(tensor.path, wanted)
         if path is None:
@@ -278,23 +370,13 @@ def plan(
                 f"{tensor.describe()}; a model key the checkpoint does not set changes the "
                 "model's parameters (config.model: num_experts?)"
             )
-        for layer in range(tensor.layers) if tensor.layers else [None]:
-            for name, shape in zip(tensor.names_of(layer), tensor.shapes, strict=True):
-                found = _resolve(name, files, hf.prefix)
-                if found is None:
-                    problems.append(f"{name} missing")
-                elif files.shapes[found] != tuple(shape):
-                    problems.append(f"{found} is {files.shapes[found]}, config.json says {shape}")
-                else:
-                    used.add(found)
         if path not in skipped:
-            sources[path] = tensor.describe()
-            tensors[tensor.describe()] = tensor
-    if problems:
-        shown = "; ".join(problems[:8]) + (
-            f"; ... ({len(problems)} in all)" if len(problems) > 8 else ""
-        )
-        raise ConfigError(f"config.init_from={spec!r} ({directory}): {shown}")
+            described = tensor.describe()
+            if described in tensors:  # a second parameter of the same tensors (QLoRA's scales)
+                described += f" ({tensor.path.rsplit('/', 1)[-1]})"
+            sources[path] = described
+            tensors[described] = tensor
+    files, used = check_tensors(spec, directory, hf)
     fresh = sorted(set(wanted) - set(sources))
     unused = sorted(set(files.shapes) - used)
     the_plan = init_from.Plan(

@@ -97,22 +97,46 @@ class SafetensorsDir:
         return files
 
     def _read_header(self, path: str) -> None:
+        """The tensors' names, shapes, dtypes and places in ``path``, each checked against
+        the file: a truncated file or a garbage header is one `ConfigError`, never an
+        ``mmap`` or ``OverflowError`` traceback later."""
         try:
+            size = os.path.getsize(path)
             with open(path, "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
+                if length > size - 8:
+                    raise ValueError(f"its header claims {length:,} bytes of a {size:,}-byte file")
                 header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("its header is no JSON object")
         except (OSError, ValueError, struct.error) as e:
             raise ConfigError(f"{path} is not a safetensors file: {e}") from None
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            if entry["dtype"] not in DTYPES:
-                raise ConfigError(
-                    f"{path}: tensor {name} has dtype {entry['dtype']}, not read here"
+            try:
+                dtype, shape, (start, end) = (
+                    entry["dtype"],
+                    tuple(entry["shape"]),
+                    entry["data_offsets"],
                 )
-            self.shapes[name] = tuple(entry["shape"])
-            self.dtypes[name] = DTYPES[entry["dtype"]]
-            self._where[name] = (path, 8 + length + entry["data_offsets"][0])
+            except (KeyError, TypeError, ValueError):
+                raise ConfigError(f"{path}: tensor {name}'s header entry is malformed") from None
+            numbers = (*shape, start, end)
+            if not isinstance(dtype, str) or not all(type(n) is int and n >= 0 for n in numbers):
+                raise ConfigError(f"{path}: tensor {name}'s header entry is malformed")
+            if dtype not in DTYPES:
+                raise ConfigError(f"{path}: tensor {name} has dtype {dtype}, not read here")
+            needed = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+            if not 0 <= start <= end or end - start != needed or 8 + length + end > size:
+                raise ConfigError(
+                    f"{path}: tensor {name} {shape} does not fit the file (bytes {start}-{end} "
+                    f"of {size - 8 - length:,} after the header): a truncated or damaged "
+                    "download? Fetch the file again"
+                )
+            self.shapes[name] = shape
+            self.dtypes[name] = DTYPES[dtype]
+            self._where[name] = (path, 8 + length + start)
 
     def read(self, name: str) -> np.ndarray:
         """Tensor ``name``, memory-mapped: its bytes are read when used."""

@@ -17,10 +17,13 @@ config's ``tokenizer`` key; the sampler has ``encode(text) -> ids``,
 ``experiments.lm`` has one (`experiments.lm.sample`).
 
 ``--json`` prints one JSON object per sample: ``prompt_index``, ``sample_index``,
-``prompt_ids``, ``ids`` (the generated tokens only; a stop token that ended the
-sample last), ``text`` (their text, without that stop token), ``finish_reason``
-(``"stop"`` or ``"length"``) and ``step`` (the checkpoint's, or None for
-``init_from``'s weights). Without it, one readable line per sample.
+``prompt`` (the prompt's text: as given, or its ids decoded; None without a
+tokenizer), ``prompt_ids``, ``ids`` (the generated tokens only; a stop token that
+ended the sample last), ``text`` (their text, without that stop token),
+``finish_reason`` (``"stop"`` or ``"length"``) and ``step`` (the checkpoint's, or
+None for ``init_from``'s weights). Without it, one readable line per sample: the
+prompt and its continuation (`readable`). With no checkpoint in the workdir, a line
+says so and that the weights sampled are ``config.init_from``'s.
 """
 
 from __future__ import annotations
@@ -132,11 +135,12 @@ def sample(
     try:
         sampler = _make_sampler(run)
         ids = [sampler.encode(text) for text in prompts] or [list(p) for p in prompt_ids]
+        texts = list(prompts) or [sampler.decode(p) for p in ids]
         if stop_ids is None:
             stop_ids = () if sampler.eos_id is None else (sampler.eos_id,)
         options = {**options, "stop_ids": tuple(int(i) for i in stop_ids)}
         sampler.check(ids, **options)  # before anything is read
-        params, restored = _restore_params(run, workdir, step, strict)
+        params, restored = restore_params(run, workdir, step, strict)
         samples = sampler.generate(params, ids, **options)
     finally:
         run.close()
@@ -146,7 +150,7 @@ def sample(
         kept = s.ids[:-1] if s.finish_reason == "stop" and s.ids and s.ids[-1] in stop else s.ids
         records.append({
             "prompt_index": s.prompt_index, "sample_index": s.sample_index,
-            "prompt_ids": list(s.prompt_ids), "ids": list(s.ids),
+            "prompt": texts[s.prompt_index], "prompt_ids": list(s.prompt_ids), "ids": list(s.ids),
             "text": sampler.decode(kept), "finish_reason": s.finish_reason, "step": restored,
         })  # fmt: skip
     return records
@@ -165,10 +169,26 @@ def _make_sampler(run: Any) -> Any:
     return make(run.settings, tokenizer=run.config.get("tokenizer", None) or "bytes")
 
 
-def _restore_params(run: Any, workdir: str, step: int | None, strict: bool) -> tuple[Any, Any]:
-    """The parameters to sample, on the run's shardings, and the step they come from:
-    the workdir's checkpoint (``step`` or the newest), else ``config.init_from``'s
-    weights in a fresh model (step None)."""
+def restore_params(
+    run: Any, workdir: str, step: int | None, strict: bool, doing: str = "sampling"
+) -> tuple[Any, Any]:
+    """The parameters to sample or evaluate (``sample``, ``eval --tasks``), on the run's
+    shardings, and the step they come from: the workdir's checkpoint (``step`` or the
+    newest), else ``config.init_from``'s weights in a fresh model (step None).
+
+    Args:
+      run: set up from the run's config (`replicator.trainer.setup.setup`, ``training=False``).
+      workdir: the training run's directory (it may hold no checkpoint, or not exist).
+      step: the checkpoint's step; None: the newest readable one.
+      strict: fail on an unreadable newest checkpoint instead of using the previous one.
+      doing: what the weights are for, in the line that says no checkpoint was found.
+
+    Returns:
+      ``(params, step)``; ``step`` is None for ``init_from``'s weights.
+
+    Raises:
+      ConfigError: ``--step`` without checkpoints, or neither a checkpoint nor ``init_from``.
+    """
     from replicator import storage
     from replicator.trainer import evaluator, init_from, pretrained
 
@@ -182,12 +202,20 @@ def _restore_params(run: Any, workdir: str, step: int | None, strict: bool) -> t
     if config.init_from is None:
         raise ConfigError(
             f"{directory} holds no checkpoint and config.init_from is None: train first, or "
-            "sample pretrained weights with --config.init_from=hf:DIR (or another run's workdir)"
+            "start from pretrained weights with --config.init_from=hf:DIR (or another run's "
+            "workdir)"
         )
+    log.warning(
+        "%s holds no checkpoint: %s the weights of config.init_from=%r as they are",
+        directory, doing, config.init_from,
+    )  # fmt: skip
     # A run's checkpoint or, with hf:DIR, a Hugging Face one (config.model shaped by it).
-    the_plan, arrays = pretrained.load(config, run.abstract_state, run.repl)
+    copies = run.experiment.copies  # (a DPO run's reference: the starting weights)
+    targets = tuple(target for target, _ in copies)
+    the_plan, arrays = pretrained.load(config, run.abstract_state, run.repl, targets)
     log.info("%s", the_plan.report())
     view = init_from.place(the_plan, arrays, run.init_eval_state())
+    view = init_from.copy_leaves(view, copies)
     return view["params"], None
 
 
@@ -217,12 +245,18 @@ def main(config: Any, workdir: str, console: Any, chief: bool, step: int | None,
 
 
 def readable(record: dict[str, Any]) -> str:
-    """One sample as a line: which one, and its text (or ids) with escapes.
+    """One sample as a line: which one (prompt.sample), the prompt, then ``+`` and what
+    was generated, as text with escapes (or ids, without a tokenizer), and how it ended.
 
-    >>> readable({"prompt_index": 0, "sample_index": 1, "text": "a\\nb", "ids": [97, 10, 98],
-    ...           "finish_reason": "length"})
-    "[0.1] 'a\\\\nb' (3 tokens, length)"
+    >>> readable({"prompt_index": 0, "sample_index": 1, "prompt": "x=", "text": "a\\nb",
+    ...           "prompt_ids": [120, 61], "ids": [97, 10, 98], "finish_reason": "length"})
+    "[0.1] 'x=' + 'a\\\\nb' (3 tokens, length)"
+    >>> readable({"prompt_index": 1, "sample_index": 0, "prompt": None, "text": None,
+    ...           "prompt_ids": [1, 2], "ids": [3], "finish_reason": "stop"})
+    '[1.0] [1, 2] + [3] (1 tokens, stop)'
     """
-    shown = repr(record["text"]) if record.get("text") is not None else str(record["ids"])
+    texts = record.get("prompt") is not None and record.get("text") is not None
+    prompt = repr(record["prompt"]) if texts else str(record.get("prompt_ids", []))
+    shown = repr(record["text"]) if texts else str(record["ids"])
     where = f"[{record['prompt_index']}.{record['sample_index']}]"
-    return f"{where} {shown} ({len(record['ids'])} tokens, {record['finish_reason']})"
+    return f"{where} {prompt} + {shown} ({len(record['ids'])} tokens, {record['finish_reason']})"

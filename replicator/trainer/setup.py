@@ -116,8 +116,9 @@ class Run:
 
     @property
     def optimizer_spec(self) -> OptimizerSpec:
-        """The config's optimizer keys (the experiment's optimizer is built from them)."""
-        return OptimizerSpec.from_config(self.config)
+        """The config's optimizer keys, the experiment's own freezing with them
+        (`config.optimizer_spec`): what the experiment's optimizer is built from."""
+        return self.settings.spec
 
     def per_step_units(self) -> tuple[int, str]:
         """How many units (examples, tokens) a train step consumes, and their name."""
@@ -149,6 +150,7 @@ def setup(
     config = config_lib.validate(config)
     sync = sync_policy(config)
     repl = _replicator(config, devices, training)
+    spec = config_lib.optimizer_spec(config)
     settings = Settings(
         repl=repl,
         model=config.model.to_dict(),
@@ -158,22 +160,14 @@ def setup(
         grad_accum_steps=config.grad_accum_steps,
         seed=config.seed,
         sync=sync,
-        optimizer_spec=OptimizerSpec.from_config(config),
+        optimizer_spec=spec,
         dataset=config.dataset,
         options={key: config[key] for key in config_lib.experiment_keys(config.experiment).options},
         shapes_only=shapes_only,
     )
     experiment = load_experiment(config.experiment, settings)
     if training:
-        _check_train_batch(config, repl)
-        moe = bool(config.get("model", {}).get("num_experts"))
-        if config.step_path == "run" and repl.mesh.shape.get("context", 1) > 1 and moe:
-            log.warning(
-                "step_path='run' with mesh axis 'context' and model.num_experts: a mixture "
-                "of experts keeps each replica's whole sequences (its capacity is per "
-                "sequence), so the context devices compute alike (exact, but no memory "
-                "saving); step_path='compile' splits the sequence over them."
-            )
+        _check_training(config, repl)
     if config.best_metric is not None and config.best_metric not in experiment.metric_names:
         raise ConfigError(
             f"config.best_metric={config.best_metric!r} is not a metric {config.experiment} "
@@ -186,10 +180,10 @@ def setup(
     example = jax.tree.map(lambda x: x[0], experiment.preprocess(data.read_batch(eval_source, [0])))
     init = _frozen_in(
         functools.partial(experiment.init_state, jax.random.key(config.seed), example),
-        config.freeze,
+        spec.freeze,
     )
     abstract = jax.eval_shape(init)
-    _check_optimizer_keys(config, abstract)
+    _check_optimizer_keys(config, abstract, spec)
     if sync is None:
         with warnings.catch_warnings():
             if not training:
@@ -213,6 +207,20 @@ def setup(
     )  # fmt: skip
 
 
+def _check_training(config: ml_collections.ConfigDict, repl: Replicator) -> None:
+    """What only training asks of the devices: the batch splits over the replicas; and a
+    warning where a mixture of experts makes a 'context' axis under `run` save nothing."""
+    _check_train_batch(config, repl)
+    moe = bool(config.get("model", {}).get("num_experts"))
+    if config.step_path == "run" and repl.mesh.shape.get("context", 1) > 1 and moe:
+        log.warning(
+            "step_path='run' with mesh axis 'context' and model.num_experts: a mixture "
+            "of experts keeps each replica's whole sequences (its capacity is per "
+            "sequence), so the context devices compute alike (exact, but no memory "
+            "saving); step_path='compile' splits the sequence over them."
+        )
+
+
 def train_params(state: Any) -> list[Any]:
     """The parameters of every `rp.TrainState` in ``state``."""
     is_state = lambda x: isinstance(x, TrainState)
@@ -220,14 +228,15 @@ def train_params(state: Any) -> list[Any]:
 
 
 def _frozen_in(init: Callable, regex: str | None) -> Callable:
-    """``init`` whose train states know what ``config.freeze`` freezes
-    (`optimizer.mark_frozen`: their steps differentiate the rest only)."""
+    """``init`` whose train states know what the run freezes (``config.freeze`` and the
+    experiment's own: `config.optimizer_spec`; `optimizer.mark_frozen`: their steps
+    differentiate the rest only)."""
     if regex is None:
         return init
     return lambda: optimizer.mark_frozen(init(), regex)
 
 
-def _check_optimizer_keys(config, abstract: Any) -> None:
+def _check_optimizer_keys(config, abstract: Any, spec: OptimizerSpec) -> None:
     """The optimizer keys that need the state to check: a ``freeze``,
     ``weight_decay_mask`` or ``lr_mults`` regex that matches nothing is a typo, not a
     choice; an EMA needs parameters (and no DiLoCo); a bf16 sum needs the per-replica
@@ -250,8 +259,7 @@ def _check_optimizer_keys(config, abstract: Any) -> None:
                 f"config.lr_mults: ({regex!r}, {factor!r}) takes no parameter (the first pair "
                 f"whose regex finds a path takes it){path_hint(regex)}; the paths: {shown}"
             )
-    spec = OptimizerSpec.from_config(config)  # every parameter frozen or scaled: a warning
-    for params in train_params(abstract):
+    for params in train_params(abstract):  # every parameter frozen or scaled: a warning
         for line in coverage_warnings(spec, parameter_rows(params, spec)):
             log.warning("%s", line)
     if config.grad_reduce_dtype is not None and config.step_path == "compile":
@@ -462,7 +470,7 @@ def load_experiment(path: str, settings: Settings) -> Experiment:
     missing = [
         field.name
         for field in dataclasses.fields(Experiment)
-        if field.name not in ("after_eval", "metric_names", "units")
+        if field.name not in ("after_eval", "metric_names", "units", "copies", "notes")
         and not callable(getattr(experiment, field.name))
     ]
     if missing:

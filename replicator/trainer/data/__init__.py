@@ -48,3 +48,5 @@ from replicator.trainer.data.sources import DatasetNotPreparedError as DatasetNo
 from replicator.trainer.data.sources import builds_here as builds_here
 from replicator.trainer.data.sources import load_data_source as load_data_source
 from replicator.trainer.data.sources import prepare_dataset as prepare_dataset
+from replicator.trainer.data.sources import prepare_own as prepare_own
+from replicator.trainer.data.sources import summary as summary

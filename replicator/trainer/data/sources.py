@@ -22,6 +22,7 @@ dataset of your own missing from the bucket is built on a disk and uploaded.
 
 import difflib
 import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -182,6 +183,34 @@ def prepare_dataset(
     return os.fspath(builder.data_dir)
 
 
+def prepare_own(name: str, data_dir: str | os.PathLike | None = None) -> None:
+    """Builds ``name`` now where it is a tfds builder of your own, local and missing (the
+    text, chat and preference builders): the CLI calls it before the workdir is touched,
+    so that a mistake in the data (a file that does not parse, a conversation without
+    an assistant turn) is one line and leaves nothing behind. Data in a bucket, tfds'
+    catalog and datasets of functions are opened as the run starts, as before."""
+    tfds_name = _tfds_name(name)
+    if tfds_name is None or (data_dir is not None and storage.is_remote(data_dir)):
+        return
+    builder = _get_builder(tfds_name, data_dir)
+    if builds_here(builder) and not builder.is_prepared():
+        _prepare_offline(tfds_name, data_dir)
+
+
+def summary(name: str, data_dir: str | os.PathLike | None, split: str) -> str | None:
+    """A prepared local dataset's one line on ``split`` (its base name: ``train`` of
+    ``train[:90%]``), for the start of a run, where its builder has a ``summary(split)``
+    (the chat builders: conversations, windows, trained tokens); else None."""
+    tfds_name = _tfds_name(name)
+    if tfds_name is None or (data_dir is not None and storage.is_remote(data_dir)):
+        return None
+    builder = _get_builder(tfds_name, data_dir)
+    base = re.split(r"[\[+]", split, maxsplit=1)[0]
+    if not hasattr(builder, "summary") or not builder.is_prepared():
+        return None
+    return builder.summary(base) if base in builder.info.splits else None
+
+
 def builds_here(builder: tfds.core.DatasetBuilder) -> bool:
     """Whether `load_data_source` prepares ``builder``'s dataset where it is on first
     use: any builder of your own does; those of tfds' catalog download, so never."""
@@ -234,6 +263,8 @@ def _num_bytes(example: Example) -> int:
 def _get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
     try:
         return tfds.builder(name, data_dir=data_dir, file_format=_FILE_FORMAT)
+    except DatasetError:
+        raise
     except tfds.core.DatasetNotFoundError:
         # tfds' own message lists every known dataset; say something shorter.
         known = tfds.list_builders(with_community_datasets=False)
@@ -245,6 +276,8 @@ def _get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
             "experiment's module (as experiments.classify imports experiments.datasets "
             "for 'digits'), or name it as the dataset 'module:BuilderClass'."
         ) from None
+    except ValueError as e:  # a builder's config or arguments that do not exist or fit
+        raise DatasetError(f"dataset {name!r}: {e}") from None
 
 
 def _prepare_offline(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
