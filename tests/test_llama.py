@@ -25,6 +25,7 @@ from replicator.parallel import sharding as sharding
 from replicator.step import remat as remat
 from replicator.trainer import ConfigError
 from replicator.trainer.experiment import Settings
+from tests.helpers.steps import train_steps
 
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_max_position_embeddings=16)  # fmt: skip
@@ -267,17 +268,7 @@ def _train(repl, path, batches, model=LLAMA, **parallel):
     experiment = make_experiment(_settings(repl, model, **parallel))
     example = jax.tree.map(lambda x: x[0], batches[0])
     state = repl.init(experiment.init_state, jax.random.key(0), example)
-    if path == "compile":
-        step = repl.compile(experiment.train_step)
-    else:
-        step = lambda s, b: repl.run(experiment.train_step, s, b)  # noqa: E731
-    losses = []
-    for batch in batches:
-        state, sums = step(state, repl.shard_batch(batch))
-        if sums["loss"].ndim:
-            sums = repl.reduce(rp.ReduceOp.SUM, sums)
-        losses.append(summarize(jax.device_get(sums))["loss"])
-    return losses, jax.device_get(state.params)
+    return train_steps(repl, path, experiment.train_step, state, batches, summarize)
 
 
 def _assert_trains_alike(got, expected, atol=2e-6):

@@ -14,6 +14,7 @@ import numpy as np
 import replicator as rp
 from experiments.lm import lora
 from replicator.trainer.optimizer import OptimizerSpec, mark_frozen
+from tests.helpers.steps import train_steps
 
 
 def flat(params: Any) -> dict[str, Any]:
@@ -128,14 +129,4 @@ def train_lora(
         return mark_frozen(rp.TrainState.create(params, tx, jax.random.key(0)), frozen)
 
     state = repl.init(init)
-    if path == "compile":
-        step = repl.compile(experiment.train_step)
-    else:
-        step = lambda s, b: repl.run(experiment.train_step, s, b)  # noqa: E731
-    losses = []
-    for batch in batches:
-        state, sums = step(state, repl.shard_batch(batch))
-        if sums["loss"].ndim:
-            sums = repl.reduce(rp.ReduceOp.SUM, sums)
-        losses.append(summarize(jax.device_get(sums))["loss"])
-    return losses, jax.device_get(state.params)
+    return train_steps(repl, path, experiment.train_step, state, batches, summarize)
